@@ -1,18 +1,154 @@
-"""The ``ftsystem`` command line: one entry point, one sub-command per component."""
+"""The ``ftsystem`` command line: one entry point, one sub-command per component.
+
+Heavy imports (torch, uvicorn) happen inside the commands that need them, so ``--help`` and
+the light commands stay fast.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="ftsystem: fault-tolerant training jobs (FT-HSDP, HALoS).")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: each prints a table and writes JSON.")
 sim_app = typer.Typer(no_args_is_help=True, help="Simulators for scales that do not fit here.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")
 
+ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379)"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(2)
+
+
+def _check_id(kind: str, value: str) -> str:
+    from ftsystem.keys import InvalidIdError, check_id
+    try:
+        return check_id(kind, value)
+    except InvalidIdError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
+@app.command()
+def etcd(data_dir: Optional[Path] = typer.Option(None, help="data directory (default: a temp dir)"),
+         port: int = typer.Option(2379, help="client port")) -> None:
+    """Run a single-node etcd on loopback until stopped (Ctrl-C)."""
+    import signal
+    from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError
+    try:
+        server = EmbeddedEtcd(data_dir=data_dir, port=port).start()
+    except (EtcdNotInstalledError, RuntimeError) as e:
+        raise _fail(str(e))
+    typer.echo(f"etcd serving at {server.url} (data in {server.data_dir})", err=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+
+
+@app.command()
+def controller(etcd: str = typer.Option(..., help=ETCD_HELP),
+               job: str = typer.Option(..., help="the job this controller manages"),
+               port: int = typer.Option(8080, help="REST API port"),
+               host: str = typer.Option("127.0.0.1", help="address to listen on"),
+               min_replicas: int = typer.Option(1, min=1, help="used when the job has no spec"),
+               instance_id: Optional[str] = typer.Option(None, help="name in leader election")
+               ) -> None:
+    """Run a controller instance: leader election, membership epochs, REST API, /metrics."""
+    from controller.main import serve
+    from ftsystem.store import parse_endpoints
+    _check_id("job", job)
+    try:
+        parse_endpoints(etcd)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--etcd") from e
+    serve(etcd=etcd, job=job, port=port, host=host, instance_id=instance_id,
+          min_replicas=min_replicas)
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def agent(command: List[str] = typer.Argument(..., help="the replica's program, after --"),
+          etcd: str = typer.Option(..., help=ETCD_HELP),
+          job: str = typer.Option(..., help="job id"),
+          replica_id: str = typer.Option(..., help="the replica this agent supervises"),
+          nproc_per_replica: int = typer.Option(1, min=1, help="ranks per replica"),
+          kill_at: List[str] = typer.Option([], help="kill the replica at STEP[:PHASE]"),
+          max_restarts: int = typer.Option(20, min=0),
+          watchdog: float = typer.Option(60.0, help="seconds without heartbeat = hung"),
+          timeout: float = typer.Option(30.0, help="FTSYSTEM_TIMEOUT_S for the replica"),
+          host: str = typer.Option("127.0.0.1", help="address peers reach this replica at")
+          ) -> None:
+    """Supervise one replica: launch its ranks, hold its lease, restart it on failure."""
+    import os
+    from agent.main import run_agent
+    from agent.supervisor import AgentConfig
+    from ftsystem.faults import parse_kill_point
+    from ftsystem.runtime import ENV_TIMEOUT
+    _check_id("job", job)
+    _check_id("replica", replica_id)
+    try:
+        points = [parse_kill_point(p) for p in kill_at]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kill-at") from e
+    os.environ[ENV_TIMEOUT] = str(timeout)
+    cfg = AgentConfig(etcd=etcd, job=job, replica_id=replica_id, command=command,
+                      num_procs=nproc_per_replica, max_restarts=max_restarts,
+                      watchdog_s=watchdog, kill_at=points, host=host)
+    raise typer.Exit(run_agent(cfg))
+
+
+@app.command()
+def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
+        steps: int = typer.Option(300, min=1, help="committed steps to train"),
+        min_replicas: int = typer.Option(1, min=1, help="pause below this many replicas"),
+        kill_at: List[str] = typer.Option([], help="SIGKILL replica at step: STEP:REPLICA[:PHASE]"),
+        etcd: Optional[str] = typer.Option(None, help=ETCD_HELP + "; default: embedded"),
+        job: str = typer.Option("job", help="job id"),
+        out: Path = typer.Option(Path("runs/latest"), help="results, logs and summary"),
+        model_params: int = typer.Option(0, help="approximate model size (0: small default)"),
+        sleep_per_step: float = typer.Option(0.0, help="extra seconds per step"),
+        timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S)"),
+        port: int = typer.Option(0, help="controller REST port (0: free port)"),
+        json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary here"),
+        ) -> None:
+    """Run a fault-tolerant training job here, inject failures, and report."""
+    from ftsystem.launcher import RunConfig, parse_replica_kill, run_job
+    from ftsystem.report import print_table, write_json
+    _check_id("job", job)
+    if min_replicas > replicas:
+        raise typer.BadParameter(f"{min_replicas} > --replicas {replicas}",
+                                 param_hint="--min-replicas")
+    try:
+        kills = [parse_replica_kill(k, replicas) for k in kill_at]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kill-at") from e
+    train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
+    cfg = RunConfig(num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
+                    etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
+                    timeout_s=timeout, controller_port=port)
+    summary = run_job(cfg)
+    print_table(f"job {job}: failures", ["replica", "at step", "reason", "survivor stall (s)"],
+                [(f["replica"], f["step"], f["reason"], f["stall_s"])
+                 for f in summary["failures"]])
+    print_table(f"job {job}: summary", ["steps", "failures", "median stall (s)",
+                                        "median step (s)", "eval loss", "bitwise identical"],
+                [(summary["steps"], len(summary["failures"]), summary["stall_s"]["median"],
+                  summary["step_time_s"]["median"], summary["eval_loss"],
+                  summary["bitwise_identical"])])
+    write_json(json_out, summary)
+    if not (summary["bitwise_identical"] and summary["agents_ok"]):
+        raise typer.Exit(1)
+
+
 # Sub-command modules register themselves on the apps above when imported (one line each).
 # --- registrations ---
+from ftsystem.sim import ettr_cli  # noqa: E402,F401
+from ftsystem.halos import cli as halos_cli  # noqa: E402,F401
 
 
 def main() -> None:

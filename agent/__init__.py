@@ -1,0 +1,1 @@
+"""The ftsystem node agent (``ftsystem agent``): supervises one replica's processes."""

@@ -1,0 +1,14 @@
+"""``ftsystem agent``: supervise one replica until it finishes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from agent.supervisor import Agent, AgentConfig
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s agent[{cfg.replica_id}] %(message)s")
+    return asyncio.run(Agent(cfg).run())

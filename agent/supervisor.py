@@ -1,0 +1,252 @@
+"""The node agent: launches one replica's processes, holds its lease, restarts it on failure.
+
+Detection is the fast path of the design: the moment any process of the replica exits (or its
+step watchdog fires) the agent revokes the replica's lease, which deletes its registration and
+lets the controller publish the epoch without it within milliseconds. Then it kills the rest of
+the replica and restarts it with backoff as generation + 1. Children run in their own sessions
+with a parent-death signal, so neither a Ctrl-C nor a SIGKILL of the agent leaves orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftsystem import keys, metrics, runtime
+from ftsystem.etcd_server import free_port
+from ftsystem.faults import KillPoint, format_kill_points
+from ftsystem.membership import Registration, ReplicaState
+from ftsystem.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    etcd: str
+    """etcd endpoints, comma-separated."""
+    job: str
+    """The job the replica belongs to."""
+    replica_id: str
+    """The replica this agent supervises."""
+    command: list[str]
+    """The replica's program; run once per rank."""
+    num_procs: int = 1
+    """Ranks per replica (``--nproc-per-replica``)."""
+    lease_ttl_s: int = 5
+    """Replica lease TTL: the slow path that covers a dead host or a partition."""
+    max_restarts: int = 20
+    """Restarts before the agent gives up on the replica."""
+    backoff_s: float = 0.5
+    """First restart delay; doubles per consecutive fast failure, up to ``max_backoff_s``."""
+    max_backoff_s: float = 10.0
+    """Ceiling of the restart delay."""
+    watchdog_s: float = 60.0
+    """A rank whose heartbeat is older than this is considered hung and the replica restarted."""
+    grace_s: float = 10.0
+    """How long children get to exit after a forwarded SIGTERM/SIGINT."""
+    kill_at: list[KillPoint] = field(default_factory=list)
+    """Fault injection: kill the replica when it reaches these steps (``--kill-at``)."""
+    host: str = "127.0.0.1"
+    """Address other replicas use to reach this one."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    success: bool
+    reason: str
+    last_step: int = 0
+
+
+def _set_parent_death_signal() -> None:
+    """In the child, before exec: die with the agent, whatever kills it."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        keys.check_id("job", cfg.job)
+        keys.check_id("replica", cfg.replica_id)
+        self.cfg = cfg
+        self.store = Store(cfg.etcd)
+        self.stop_requested = asyncio.Event()
+        self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
+        self.children: list[asyncio.subprocess.Process] = []
+
+    async def run(self) -> int:
+        """Supervise until the replica finishes (0), gives up (1) or is told to stop (130)."""
+        await self.store.connect()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
+        agent_lease = await self.store.grant(self.cfg.lease_ttl_s)
+        keep_alive = asyncio.create_task(self.store.keep_alive(agent_lease, self.cfg.lease_ttl_s))
+        try:
+            return await self._supervise(agent_lease)
+        finally:
+            keep_alive.cancel()
+            await self.store.revoke(agent_lease)
+            await self.store.close()
+
+    async def _supervise(self, agent_lease: int) -> int:
+        backoff = self.cfg.backoff_s
+        for generation in range(self.cfg.max_restarts + 1):
+            await self.store.put_json(keys.agent(self.cfg.job, self.cfg.replica_id),
+                                      {"host": self.cfg.host, "pid": os.getpid(),
+                                       "generation": generation}, lease=agent_lease)
+            started = time.monotonic()
+            outcome = await self._run_generation(generation)
+            if outcome.success:
+                return 0
+            if self.stop_requested.is_set():
+                return 130
+            await self._record_failure(generation, outcome)
+            # A replica that ran a while before failing gets the short backoff again.
+            backoff = self.cfg.backoff_s if time.monotonic() - started > 30 else backoff
+            log.warning("replica %s generation %d failed (%s); restarting in %.1fs",
+                        self.cfg.replica_id, generation, outcome.reason, backoff)
+            try:
+                await asyncio.wait_for(self.stop_requested.wait(), backoff)
+                return 130
+            except asyncio.TimeoutError:
+                backoff = min(backoff * 2, self.cfg.max_backoff_s)
+        log.error("replica %s: giving up after %d restarts", self.cfg.replica_id,
+                  self.cfg.max_restarts)
+        return 1
+
+    async def _record_failure(self, generation: int, outcome: Outcome) -> None:
+        metrics.REPLICA_RESTARTS.labels(self.cfg.job, self.cfg.replica_id).inc()
+        await self.store.put_json(
+            keys.failure(self.cfg.job, self.cfg.replica_id, generation),
+            {"time": time.time(), "reason": outcome.reason, "step": outcome.last_step})
+        # Kill points the replica has passed are spent; the restarted one gets the rest.
+        self.kill_at = [p for p in self.kill_at if p.step > outcome.last_step]
+
+    async def _run_generation(self, generation: int) -> Outcome:
+        lease = await self.store.grant(self.cfg.lease_ttl_s)
+        keep_alive = asyncio.create_task(self.store.keep_alive(lease, self.cfg.lease_ttl_s))
+        try:
+            await self.store.put(keys.replica(self.cfg.job, self.cfg.replica_id), Registration(
+                replica_id=self.cfg.replica_id, state=ReplicaState.STARTING,
+                generation=generation, host=self.cfg.host).to_json(), lease=lease)
+            heartbeats = await self._spawn(generation, lease)
+            outcome = await self._watch_children(heartbeats)
+        finally:
+            keep_alive.cancel()
+            # Revoke first: the survivors' recovery starts when the registration disappears.
+            await self._revoke_quietly(lease)
+            await self._kill_children()
+        return outcome
+
+    async def _revoke_quietly(self, lease: int) -> None:
+        try:
+            await self.store.revoke(lease)
+        except StoreError as e:
+            log.warning("could not revoke lease %x (%s); it expires in %ds", lease, e,
+                        self.cfg.lease_ttl_s)
+
+    async def _spawn(self, generation: int, lease: int) -> list[Path]:
+        master_port = free_port()
+        heartbeats = []
+        self.children = []
+        for rank in range(self.cfg.num_procs):
+            heartbeat = self.workdir / f"heartbeat-g{generation}-r{rank}"
+            heartbeats.append(heartbeat)
+            env = os.environ | {
+                "RANK": str(rank), "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.cfg.num_procs),
+                "LOCAL_WORLD_SIZE": str(self.cfg.num_procs),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+                runtime.ENV_ETCD: self.cfg.etcd, runtime.ENV_JOB: self.cfg.job,
+                runtime.ENV_REPLICA: self.cfg.replica_id,
+                runtime.ENV_GENERATION: str(generation), runtime.ENV_LEASE: str(lease),
+                runtime.ENV_HEARTBEAT: str(heartbeat), runtime.ENV_HOST: self.cfg.host,
+                runtime.ENV_KILL_AT: format_kill_points(self.kill_at),
+            }
+            self.children.append(await asyncio.create_subprocess_exec(
+                *self.cfg.command, env=env, start_new_session=True,
+                preexec_fn=_set_parent_death_signal))
+        return heartbeats
+
+    async def _watch_children(self, heartbeats: list[Path]) -> Outcome:
+        waits = {asyncio.create_task(c.wait()): c for c in self.children}
+        stop = asyncio.create_task(self.stop_requested.wait())
+        watchdog = asyncio.create_task(self._watchdog(heartbeats))
+        pending = set(waits)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending | {stop, watchdog},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if stop in done:
+                    await self._forward_stop()
+                    return Outcome(False, "stopped", _last_step(heartbeats))
+                if watchdog in done:
+                    return Outcome(False, watchdog.result(), _last_step(heartbeats))
+                for task in done & pending:
+                    pending.discard(task)
+                    code = task.result()
+                    if code != 0:
+                        return Outcome(False, _describe_exit(code), _last_step(heartbeats))
+            return Outcome(True, "finished", _last_step(heartbeats))
+        finally:
+            for task in (*pending, stop, watchdog):
+                task.cancel()
+
+    async def _watchdog(self, heartbeats: list[Path]) -> str:
+        """Returns (ends the generation) when a started rank stops beating."""
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.watchdog_s / 4))
+            now = time.time()
+            for rank, path in enumerate(heartbeats):
+                try:
+                    age = now - path.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # not started beating yet (importing, loading)
+                if age > self.cfg.watchdog_s:
+                    return f"rank {rank} hung: no heartbeat for {age:.0f}s"
+
+    async def _forward_stop(self) -> None:
+        for child in self.children:
+            if child.returncode is None:
+                _signal_group(child.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.wait() for c in self.children)),
+                                   self.cfg.grace_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _kill_children(self) -> None:
+        for child in self.children:
+            _signal_group(child.pid, signal.SIGKILL)
+        await asyncio.gather(*(c.wait() for c in self.children))
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own session: this reaches its descendants
+    except ProcessLookupError:
+        pass
+
+
+def _last_step(heartbeats: list[Path]) -> int:
+    steps = []
+    for path in heartbeats:
+        try:
+            steps.append(int(path.read_text().split()[0]))
+        except (FileNotFoundError, IndexError, ValueError):
+            pass
+    return max(steps, default=0)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

@@ -1,0 +1,1 @@
+"""The ftsystem controller service (``ftsystem controller``): membership epochs and the REST API."""

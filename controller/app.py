@@ -1,0 +1,135 @@
+"""The controller's REST API (FastAPI). Every instance serves it, reading etcd; one leads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.leader import LeaderConfig, run_elections
+from ftsystem import keys, metrics
+from ftsystem.membership import ReplicaState
+from ftsystem.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def create_app(store: Store, cfg: LeaderConfig, *, elect: bool = True) -> FastAPI:
+    is_leader = asyncio.Event()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await store.connect()
+        task = asyncio.create_task(run_elections(store, cfg, is_leader)) if elect else None
+        if task is not None:
+            task.add_done_callback(_exit_on_crash)
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await store.close()
+
+    app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok", "job": cfg.job, "instance": cfg.instance_id,
+                "leader": is_leader.is_set()}
+
+    @app.get("/v1/jobs/{job}")
+    async def get_job(job: str) -> dict:
+        _check_job(cfg.job, job)
+        return await job_view(store, job)
+
+    @app.get("/v1/jobs/{job}/replicas/{replica_id}")
+    async def get_replica(job: str, replica_id: str) -> dict:
+        _check_job(cfg.job, job)
+        try:
+            keys.check_id("replica", replica_id)
+        except keys.InvalidIdError as e:
+            raise HTTPException(400, str(e)) from e
+        view = await job_view(store, job)
+        for replica in view["replicas"]:
+            if replica["id"] == replica_id:
+                return replica
+        raise HTTPException(404, f"replica {replica_id!r} is not part of job {job!r}; "
+                                 f"GET /v1/jobs/{job} lists its replicas")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        await _refresh_gauges(store, cfg.job)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StoreError)
+    async def store_unavailable(_request, exc: StoreError):
+        return Response(json.dumps({"detail": str(exc)}), status_code=503,
+                        media_type="application/json")
+
+    return app
+
+
+def _exit_on_crash(task: asyncio.Task) -> None:
+    """A bug in the election loop must not leave a controller that serves but never leads."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("election loop crashed", exc_info=task.exception())
+        os._exit(1)
+
+
+def _check_job(served: str, job: str) -> None:
+    if job != served:
+        raise HTTPException(404, f"unknown job {job!r}: this controller manages {served!r}")
+
+
+async def job_view(store: Store, job: str) -> dict[str, Any]:
+    """The job as its users see it: spec, epoch, and every replica an agent supervises."""
+    items, _ = await store.get_prefix(keys.job(job) + "/")
+    return build_job_view(job, items)
+
+
+def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
+    """Pure: turn the job's etcd keys into the API's JSON."""
+    def under(prefix: str) -> dict[str, Any]:
+        return {k[len(prefix):]: json.loads(v) for k, v in items.items() if k.startswith(prefix)}
+
+    registrations = under(keys.replicas(job))
+    agents = under(keys.agents(job))
+    restarts: dict[str, int] = {}
+    for path in under(keys.failures(job)):
+        rid = path.split("/", 1)[0]
+        restarts[rid] = restarts.get(rid, 0) + 1
+    epoch = json.loads(items.get(keys.epoch(job), b"null"))
+    leader = items.get(keys.leader(job))
+    replicas = []
+    for rid in sorted(set(registrations) | set(agents)):
+        reg = registrations.get(rid, {})
+        replicas.append({
+            "id": rid,
+            "state": reg.get("state", "restarting" if rid in agents else "down"),
+            "step": reg.get("step"),
+            "generation": reg.get("generation", agents.get(rid, {}).get("generation")),
+            "restarts": restarts.get(rid, 0),
+            "host": reg.get("host") or agents.get(rid, {}).get("host"),
+        })
+    return {"job": job, "spec": json.loads(items.get(keys.spec(job), b"null")),
+            "leader": leader.decode() if leader else None,
+            "epoch": epoch or {"number": 0, "members": []},
+            "replicas": replicas}
+
+
+async def _refresh_gauges(store: Store, job: str) -> None:
+    view = await job_view(store, job)
+    counts = {state.value: 0 for state in ReplicaState} | {"restarting": 0, "down": 0}
+    for replica in view["replicas"]:
+        counts[replica["state"]] = counts.get(replica["state"], 0) + 1
+    for state, count in counts.items():
+        metrics.REPLICAS.labels(job, state).set(count)
+    metrics.EPOCH.labels(job).set(view["epoch"]["number"])
+    metrics.EPOCH_MEMBERS.labels(job).set(len(view["epoch"]["members"]))

@@ -1,0 +1,22 @@
+"""``ftsystem controller``: serve the REST API and take part in leader election."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import uvicorn
+
+from controller.app import create_app
+from controller.leader import LeaderConfig
+from ftsystem.store import Store
+
+
+def serve(*, etcd: str, job: str, port: int, host: str = "127.0.0.1",
+          instance_id: str | None = None, min_replicas: int = 1) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(message)s")
+    cfg = LeaderConfig(job=job, min_replicas=min_replicas,
+                       instance_id=instance_id or f"{socket.gethostname()}-{os.getpid()}-{port}")
+    app = create_app(Store(etcd), cfg)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,331 @@
+"""The torchft 0.2.0 baseline under our failure scenarios: a lighthouse and supervised replicas.
+
+``run_torchft_failover`` SIGKILLs one replica a few times and lets a supervisor restart it, as
+torchrun would; ``run_torchft_rejoin`` adds a replica to a running job. Both return raw
+timelines (kill or join times, each replica's commits); computing stalls is left to the caller.
+
+Processes: the lighthouse runs as torchft's ``torchft_lighthouse`` binary, each replica as
+``python -m ftsystem.baselines.torchft_replica`` in its own session (process group), so that
+cleanup can kill whatever a replica started. Logs land in ``workdir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import ftsystem
+from ftsystem.baselines import torchft_replica
+from ftsystem.baselines.torchft_replica import progress_path
+
+# How long the lighthouse keeps counting a silent replica as alive. After a SIGKILL the
+# survivors' next quorum waits for this expiry whenever the join timeout cannot cut it short
+# (e.g. two replicas: one survivor is not a majority of the two heartbeating). torchft's
+# default is 5 s; 1 s is 10 manager heartbeats (100 ms), low enough to be fast and high
+# enough that a busy, niced process on a shared 2-core machine is not declared dead.
+HEARTBEAT_TIMEOUT_MS = 1000
+# How long a new quorum waits for heartbeating replicas that have not asked to join: the
+# tolerance for stragglers. torchft's slurm example uses 10 s, its lighthouse tests 100 ms.
+# 100 ms was tried here: with 4 replicas on 2 cores a replica often arrives later than that,
+# is left out, heals from a peer on the next step, and the quorum changes (and the process
+# group is rebuilt) nearly every step. At 1 s, equal to the heartbeat timeout, a dead
+# replica costs the survivors no more than its heartbeat expiry either way.
+JOIN_TIMEOUT_MS = 1000
+# How often the lighthouse re-evaluates a pending quorum; it bounds how late a heartbeat
+# expiry is noticed. torchft's default is 100 ms; the tick is cheap.
+QUORUM_TICK_MS = 20
+# Replicas may train alone: the baseline must keep stepping on any survivor.
+MIN_REPLICAS = 1
+
+# How many commits every replica must have before a kill: training is underway.
+WARMUP_COMMITS = 3
+POLL_S = 0.05
+STDERR_TAIL_CHARS = 4000
+
+
+def torchft_settings() -> dict[str, object]:
+    """Every torchft setting the baseline runs with, for the benchmark's record."""
+    lighthouse = {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "join_timeout_ms": JOIN_TIMEOUT_MS,
+                  "quorum_tick_ms": QUORUM_TICK_MS, "min_replicas": MIN_REPLICAS}
+    return {"lighthouse": lighthouse, "manager": torchft_replica.manager_settings()}
+
+
+def lighthouse_binary() -> Optional[str]:
+    """Path of torchft's ``torchft_lighthouse``, also when the venv is not on ``PATH``."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which("torchft_lighthouse", path=search)
+
+
+def _replica_env(lighthouse_addr: str) -> dict[str, str]:
+    """The replicas' environment: the lighthouse as torchft expects it, and our package."""
+    # Replicas run with cwd=workdir; a checkout that is not pip-installed must still import.
+    package_root = str(Path(ftsystem.__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse_addr, PYTHONPATH=pythonpath,
+                OMP_NUM_THREADS="1")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+        sock.bind(("::", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait until something accepts connections on ``port``, or fail if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}")
+        try:
+            socket.create_connection(("localhost", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(POLL_S)
+    raise TimeoutError(f"torchft_lighthouse did not listen on port {port} in {timeout_s} s")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s whole session (it leads one) and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _read_progress(path: Path) -> list[tuple[int, float]]:
+    """The ``(step, unix_time)`` commits a replica has appended so far."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [(int(step), float(t)) for step, t in (line.split() for line in lines if line)]
+
+
+def _stderr_tail(path: Path) -> str:
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - STDERR_TAIL_CHARS))
+        return f.read().decode(errors="replace")
+
+
+@dataclass(kw_only=True, slots=True)
+class _Replica:
+    """A supervised replica: its current process and how many times it was started."""
+
+    index: int
+    workdir: Path
+    argv: list[str]
+    env: dict[str, str]
+    generation: int = -1
+    proc: Optional[subprocess.Popen] = None
+    killed_by_us: bool = False
+
+    def path(self, suffix: str, generation: Optional[int] = None) -> Path:
+        generation = self.generation if generation is None else generation
+        return self.workdir / f"replica{self.index}_gen{generation}{suffix}"
+
+    def start(self) -> None:
+        """Start the next generation of this replica, as torchrun would after a failure."""
+        self.generation += 1
+        self.killed_by_us = False
+        args = self.argv + ["--replica", str(self.index), "--generation", str(self.generation),
+                            "--out", str(self.path(".json"))]
+        with self.path(".log").open("wb") as log:
+            self.proc = subprocess.Popen(args, env=self.env, cwd=self.workdir, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def commits(self, generation: Optional[int] = None) -> list[tuple[int, float]]:
+        """Commits of ``generation`` (the current one by default) so far."""
+        return _read_progress(progress_path(self.path(".json", generation)))
+
+    def rejoin_times(self) -> list[Optional[float]]:
+        """Unix time of the first commit of each restarted generation (None: it never did)."""
+        firsts = (self.commits(g) for g in range(1, self.generation + 1))
+        return [commits[0][1] if commits else None for commits in firsts]
+
+    def finished(self) -> bool:
+        return self.proc is not None and self.proc.poll() == 0
+
+    def result(self) -> dict:
+        return json.loads(self.path(".json").read_text())
+
+
+@dataclass(kw_only=True, slots=True)
+class _Cluster:
+    """A torchft lighthouse and supervised replica processes; closing kills them all."""
+
+    workdir: Path
+    replica_argv: list[str]
+    timeout_s: float
+    replicas: dict[int, _Replica] = field(default_factory=dict)
+    crashed: list[dict] = field(default_factory=list)
+    lighthouse: Optional[subprocess.Popen] = None
+    lighthouse_addr: str = ""
+    deadline: float = 0.0
+
+    def __enter__(self) -> "_Cluster":
+        self.deadline = time.monotonic() + self.timeout_s
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_lighthouse()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_lighthouse(self) -> None:
+        binary = lighthouse_binary()
+        if binary is None:
+            raise FileNotFoundError("torchft_lighthouse not found: install torchft==0.2.0")
+        port = _free_port()
+        cmd = [binary, "--bind", f"[::]:{port}", "--min_replicas", str(MIN_REPLICAS),
+               "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS),
+               "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+        with (self.workdir / "lighthouse.log").open("wb") as log:
+            self.lighthouse = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+        _wait_for_port(port, self.lighthouse, timeout_s=30)
+        self.lighthouse_addr = f"http://localhost:{port}"
+
+    def add_replica(self, index: int) -> _Replica:
+        """Start replica ``index`` under supervision."""
+        replica = _Replica(index=index, workdir=self.workdir, argv=self.replica_argv,
+                           env=_replica_env(self.lighthouse_addr))
+        self.replicas[index] = replica
+        replica.start()
+        return replica
+
+    def supervise(self) -> None:
+        """Restart every replica that exited with an error; record those we did not kill."""
+        for replica in self.replicas.values():
+            code = replica.proc.poll()
+            if code is None or code == 0:
+                continue
+            if not replica.killed_by_us:
+                self.crashed.append({
+                    "replica": replica.index, "generation": replica.generation,
+                    "returncode": code, "time": time.time(),
+                    "stderr_tail": _stderr_tail(replica.path(".log"))})
+            replica.start()
+
+    def wait_until(self, done: Callable[[], bool], what: str) -> None:
+        """Supervise until ``done()``; fail at the scenario's deadline."""
+        while not done():
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"torchft scenario: timed out waiting for {what} "
+                                   f"(logs in {self.workdir})")
+            self.supervise()
+            time.sleep(POLL_S)
+
+    def kill(self, index: int) -> float:
+        """SIGKILL replica ``index``'s process; returns the unix time of the kill."""
+        replica = self.replicas[index]
+        replica.killed_by_us = True
+        kill_time = time.time()
+        _kill_group(replica.proc)
+        return kill_time
+
+    def all_finished(self) -> bool:
+        return all(r.finished() for r in self.replicas.values())
+
+    def results(self) -> list[dict]:
+        """The result of each replica's final generation, by replica index."""
+        return [self.replicas[i].result() for i in sorted(self.replicas)]
+
+    def close(self) -> None:
+        for replica in self.replicas.values():
+            if replica.proc is not None:
+                _kill_group(replica.proc)
+        if self.lighthouse is not None:
+            _kill_group(self.lighthouse)
+
+
+def _replica_argv(steps: int, model_params: Optional[int], sleep_per_step: float) -> list[str]:
+    argv = [sys.executable, "-m", "ftsystem.baselines.torchft_replica", "--steps", str(steps),
+            "--sleep-per-step", str(sleep_per_step)]
+    if model_params is not None:
+        argv += ["--model-params", str(model_params)]
+    return argv
+
+
+def _warmed_up(cluster: _Cluster) -> bool:
+    return all(len(r.commits()) >= WARMUP_COMMITS for r in cluster.replicas.values())
+
+
+def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int,
+                         model_params: Optional[int], workdir: Path, kill_interval_s: float,
+                         victim: int = 1, sleep_per_step: float = 0.0,
+                         timeout_s: float = 600.0) -> dict:
+    """Train ``num_replicas`` torchft replicas and SIGKILL ``victim`` ``num_failures`` times.
+
+    The first kill comes ``kill_interval_s`` after every replica has committed a few steps;
+    each later one ``kill_interval_s`` after the previous kill, but never before the restarted
+    victim has committed a step (it has healed and rejoined the quorum). Kills stop early if
+    the victim finishes training first. Returns ``failures`` (unix kill times), ``rejoins``
+    (unix time of each restarted victim generation's first commit), ``results`` (each
+    replica's final-generation result), ``crashed`` (replicas that failed without being
+    killed, with their output's tail) and ``settings``.
+    """
+    if not 0 <= victim < num_replicas:
+        raise ValueError(f"victim {victim} is not one of the {num_replicas} replicas")
+    failures: list[float] = []
+    argv = _replica_argv(steps, model_params, sleep_per_step)
+    with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s) as cluster:
+        for index in range(num_replicas):
+            cluster.add_replica(index)
+        cluster.wait_until(lambda: _warmed_up(cluster), "all replicas to commit")
+        target = cluster.replicas[victim]
+        last = time.time()
+        for _ in range(num_failures):
+            cluster.wait_until(lambda: target.finished() or (
+                bool(target.commits()) and time.time() >= last + kill_interval_s),
+                "the victim to rejoin")
+            if target.finished():
+                break
+            last = cluster.kill(victim)
+            failures.append(last)
+        cluster.wait_until(cluster.all_finished, "all replicas to finish")
+        return {"failures": failures, "rejoins": target.rejoin_times(),
+                "results": cluster.results(), "crashed": cluster.crashed,
+                "settings": torchft_settings()}
+
+
+def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optional[int],
+                       workdir: Path, join_after_s: float, sleep_per_step: float = 0.0,
+                       timeout_s: float = 600.0) -> dict:
+    """Train ``num_replicas`` torchft replicas, then start one more ``join_after_s`` later.
+
+    The joiner (index ``num_replicas``) heals from a peer inside a quorum step, so the
+    members' commits around ``join_started`` show the join stall. Returns ``join_started``
+    (unix time the joiner was launched), ``time_to_join`` (seconds until its first commit),
+    ``results``, ``crashed`` and ``settings``.
+    """
+    argv = _replica_argv(steps, model_params, sleep_per_step)
+    with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s) as cluster:
+        for index in range(num_replicas):
+            cluster.add_replica(index)
+        cluster.wait_until(lambda: _warmed_up(cluster), "all replicas to commit")
+        join_at = time.time() + join_after_s
+        cluster.wait_until(lambda: time.time() >= join_at, "the time to start the joiner")
+        join_started = time.time()
+        joiner = cluster.add_replica(num_replicas)
+        cluster.wait_until(cluster.all_finished, "all replicas to finish")
+        results = cluster.results()
+        first = results[joiner.index]["commits"]
+        return {"join_started": join_started,
+                "time_to_join": first[0][1] - join_started if first else None,
+                "results": results, "crashed": cluster.crashed,
+                "settings": torchft_settings()}

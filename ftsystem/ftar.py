@@ -1,0 +1,143 @@
+"""Fault-tolerant all-reduce (FTAR): cross-replica collectives over the current epoch's members.
+
+CPU-side control decides who participates (the controller's epochs); torch.distributed moves the
+bytes through torchft's reconfigurable ``ProcessGroupGloo``. One group per epoch and shard index:
+rank = the replica's position in ``epoch.members``, rendezvous in the TCPStore named by the epoch,
+under a prefix unique to (job, epoch, shard), so groups of different epochs never meet.
+
+Waiting is always interruptible: while a rendezvous or a collective is in flight, a newer epoch
+abandons it (:class:`EpochChanged`), a peer failure or the timeout fails it
+(:class:`CollectiveFailed`). Gloo cannot cancel an operation in flight, so an abandoned group
+is dropped with its buffers (callers pass a fresh buffer on every attempt) and a new group is
+built for the new epoch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torchft.process_group import ProcessGroupGloo
+
+from ftsystem.membership import Epoch
+from ftsystem.runtime import ControlPlane, Heartbeat
+
+POLL_S = 0.002
+
+
+class EpochChanged(Exception):
+    """A newer epoch was published while this one was in use: move to it."""
+
+
+class CollectiveFailed(Exception):
+    """A rendezvous or collective failed (a peer died) or exceeded the timeout."""
+
+
+def plan_state_sync(steps: list[int], fresh: list[bool]) -> tuple[int, list[int]]:
+    """Who donates state at the start of an epoch, and who must load it.
+
+    The donor is the first member that has synced before (not fresh) with the highest committed
+    step; when every member is fresh (job start) it is member 0. Receivers are the members that
+    are behind it or fresh. Members at the donor's step hold identical state already (the
+    invariant), so they load nothing.
+    """
+    candidates = [i for i, f in enumerate(fresh) if not f] or list(range(len(steps)))
+    donor = max(candidates, key=lambda i: (steps[i], -i))
+    receivers = [i for i in range(len(steps))
+                 if i != donor and (fresh[i] or steps[i] != steps[donor])]
+    return donor, receivers
+
+
+class FaultTolerantAllReduce:
+    """The cross-replica group of one shard index, rebuilt for every epoch."""
+
+    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, *, shard_index: int = 0,
+                 timeout_s: float) -> None:
+        self.control, self.heartbeat = control, heartbeat
+        self.shard_index = shard_index
+        self.timeout_s = timeout_s
+        self.epoch: Epoch | None = None
+        self._pg: ProcessGroupGloo | None = None
+        self.step = 0  # only for the heartbeat's content
+
+    @property
+    def rank(self) -> int:
+        return self.epoch.rank_of(self.control.ctx.replica_id)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.epoch.members)
+
+    def configure(self, epoch: Epoch) -> None:
+        """Build the group of ``epoch``; returns when every member has joined it."""
+        self.abort()
+        ctx = self.control.ctx
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s))
+        addr = f"{epoch.store_addr}/ftsystem/{ctx.job}/epoch/{epoch.number}/shard/{self.shard_index}"
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def rendezvous() -> None:
+            try:
+                pg.configure(addr, ctx.replica_id, epoch.rank_of(ctx.replica_id),
+                             len(epoch.members))
+            except BaseException as e:  # reported to the waiting thread
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=rendezvous, daemon=True, name="ftar-rendezvous").start()
+        self._wait(done, epoch)
+        if errors:
+            raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {errors[0]}")
+        self._pg, self.epoch = pg, epoch
+
+    def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
+                      ) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._run(lambda pg: pg.allreduce([tensor], opts), on_issued)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._run(lambda pg: pg.broadcast([tensor], opts))
+
+    def abort(self) -> None:
+        """Drop the current group (its in-flight work is abandoned, see the module doc)."""
+        if self._pg is not None:
+            pg, self._pg = self._pg, None
+            pg.abort(errored=False)
+
+    def _run(self, issue: Callable, on_issued: Callable[[], None] | None = None) -> None:
+        if self._pg is None:
+            raise CollectiveFailed("no group: configure an epoch first")
+        try:
+            future = issue(self._pg).get_future()
+        except RuntimeError as e:
+            raise CollectiveFailed(str(e)) from e
+        if on_issued is not None:
+            on_issued()
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        self._wait(done, self.epoch)
+        try:
+            future.wait()
+        except RuntimeError as e:
+            raise CollectiveFailed(f"collective in epoch {self.epoch.number} failed: {e}") from e
+
+    def _wait(self, done: threading.Event, epoch: Epoch) -> None:
+        """Wait for ``done``; a newer epoch or the timeout interrupts the wait."""
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(POLL_S):
+            self.heartbeat.beat(self.step)
+            latest = self.control.epoch
+            if latest is not None and latest.number > epoch.number:
+                raise EpochChanged(f"epoch {latest.number} superseded {epoch.number}")
+            if time.monotonic() > deadline:
+                raise CollectiveFailed(f"no progress in epoch {epoch.number} for "
+                                       f"{self.timeout_s:.0f} s (FTSYSTEM_TIMEOUT_S)")

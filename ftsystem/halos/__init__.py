@@ -1,0 +1,8 @@
+"""HALoS (ICML 2025): hierarchical asynchronous local SGD over slow networks, simulated.
+
+``rules`` holds the update rules as pure functions; ``simulator`` runs them and the baselines
+(DiLoCo, DiLoCo with dynamic local updates, Async-Local-SGD, synchronous data parallel) in virtual
+time from the paper's setup (``config``, ``timemodel``) with real gradients of a small model
+(``workload``); ``experiment`` compares methods at one target loss; ``cli`` offers
+``ftsystem sim halos`` and ``ftsystem bench halos``.
+"""

@@ -1,0 +1,271 @@
+"""A discrete-event simulator (simpy) of HALoS and its baselines in virtual time.
+
+Virtual time follows the time model of the authors' simulator (``timemodel``) for the simulated
+model (Pythia-70M by default); the losses come from real optimizer steps of a small model
+(``workload``). A worker's real computation happens when its job starts, from the model it
+received then; its pseudo-gradient reaches the server when the job's virtual time has passed.
+
+Each method runs until the model it is judged by (the global model, or the one server's) has
+absorbed the same budget of local steps; the loss curve samples that model's held-out loss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+import simpy
+import torch
+
+from ftsystem.halos import rules, timemodel
+from ftsystem.halos.config import PaperSetup
+from ftsystem.halos.rules import ServerState
+from ftsystem.halos.workload import CHUNK_SEQUENCES, Workload, WorkloadConfig
+
+METHODS = ("halos", "diloco", "diloco_dynupd", "async_local_sgd", "sync")
+
+
+@dataclass(kw_only=True, slots=True)
+class SimConfig:
+    """The scaled-down run: how long, how often to measure, what is really trained."""
+
+    total_iters: int = 1536
+    """Global iterations (one local step per worker each) in every method's budget; the paper
+    trains 6144. The workers' warmup keeps the paper's share of it."""
+    eval_points: int = 64
+    """Held-out evaluations over the budget (at most one per server update)."""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """The small model and its data."""
+
+    def __post_init__(self) -> None:
+        if self.total_iters < 1 or self.eval_points < 1:
+            raise ValueError("total_iters and eval_points must be >= 1")
+        if not 1 <= self.workload.local_batch <= CHUNK_SEQUENCES:
+            raise ValueError(f"local_batch must lie in 1..{CHUNK_SEQUENCES}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Curve:
+    """One method's held-out loss against virtual time and local steps."""
+
+    method: str
+    """Which method."""
+    time_s: list[float] = field(default_factory=list)
+    """Virtual seconds at each evaluation."""
+    local_steps: list[int] = field(default_factory=list)
+    """Local steps absorbed by the judged model at each evaluation."""
+    loss: list[float] = field(default_factory=list)
+    """Held-out loss at each evaluation."""
+    wall_s: float = 0.0
+    """Real seconds the simulation took."""
+
+    @property
+    def final_loss(self) -> float:
+        return self.loss[-1]
+
+    def first_reaching(self, target: float) -> int | None:
+        """Index of the first evaluation at or below ``target``, if any."""
+        return next((i for i, loss in enumerate(self.loss) if loss <= target), None)
+
+
+class Run:
+    """One method's simulation: the clock, the budget, the schedule and the loss curve."""
+
+    def __init__(self, setup: PaperSetup, cfg: SimConfig, method: str) -> None:
+        self.setup, self.cfg = setup, cfg
+        self.env = simpy.Environment()
+        self.work = Workload(cfg.workload, setup.network.worker_regions, setup.worker)
+        self.num_workers = len(setup.network.speeds)
+        self.budget = cfg.total_iters * self.num_workers
+        self.curve = Curve(method=method)
+        self.done = self.env.event()
+        self._handed_out = 0
+        self._applied = 0
+        self._eval_every = max(1, self.budget // cfg.eval_points)
+        self._next_eval = self._eval_every
+
+    @property
+    def model_bytes(self) -> int:
+        return self.setup.time_model.model_bytes
+
+    def gbps(self, a: int, b: int) -> float:
+        return self.setup.network.bandwidth_gbps[a][b]
+
+    def local_steps(self, h: int, dynamic: bool) -> list[int]:
+        """Each worker's H, rescaled by its speed for dynamic local updates."""
+        speeds = self.setup.network.speeds
+        return [rules.scaled_local_steps(h, s, max(speeds)) if dynamic else h for s in speeds]
+
+    def claim(self, steps: int) -> int:
+        """Hand out ``steps`` local steps of data; returns the global iteration they start at.
+
+        As in the authors' simulator the workers' schedule follows the data handed out so far
+        (one iteration per ``num_workers`` local steps) and advances one iteration per step.
+        """
+        start = self._handed_out // self.num_workers
+        self._handed_out += steps
+        return start
+
+    def lrs(self, start: int, steps: int) -> list[float]:
+        opt, total = self.setup.worker, self.cfg.total_iters
+        return [rules.warmup_cosine_lr(start + j, max_lr=opt.lr, total=total,
+                                       warmup=round(opt.warmup_fraction * total))
+                for j in range(steps)]
+
+    def train(self, worker: int, theta: torch.Tensor, start: int, steps: int) -> torch.Tensor:
+        """Worker ``worker``'s pseudo-gradient after ``steps`` local steps from ``theta``."""
+        return self.work.train(worker, theta, self.lrs(start, steps))[0]
+
+    def record(self, steps: int, theta: torch.Tensor) -> None:
+        """The judged model absorbed ``steps`` more local steps and is now ``theta``."""
+        self._applied += steps
+        finished = self._applied >= self.budget
+        if self._applied >= self._next_eval or finished:
+            self._evaluate(theta)
+            self._next_eval = (self._applied // self._eval_every + 1) * self._eval_every
+        if finished and not self.done.triggered:
+            self.done.succeed()
+
+    def _evaluate(self, theta: torch.Tensor) -> None:
+        self.curve.time_s.append(self.env.now)
+        self.curve.local_steps.append(self._applied)
+        self.curve.loss.append(self.work.evaluate(theta))
+
+    def execute(self, process: Callable[["Run"], Generator]) -> Curve:
+        start = time.perf_counter()
+        self._evaluate(self.work.theta0)
+        self.env.process(process(self))
+        self.env.run(until=self.done)
+        self.curve.wall_s = time.perf_counter() - start
+        return self.curve
+
+
+def simulate(setup: PaperSetup, cfg: SimConfig, method: str) -> Curve:
+    """Run one method of ``METHODS`` to its budget; its loss curve in virtual time."""
+    if method not in PROCESSES:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return Run(setup, cfg, method).execute(PROCESSES[method])
+
+
+def _sync_step_s(run: Run, steps: list[int]) -> float:
+    """A synchronous round: the slowest worker's compute, then a ring all-reduce of the model."""
+    net, tm = run.setup.network, run.setup.time_model
+    compute = max(timemodel.compute_s(h, s, tm.local_step_time_s) for h, s in zip(steps, net.speeds))
+    ring = timemodel.best_ring_gbps(net.bandwidth_gbps)
+    return compute + timemodel.ring_allreduce_s(run.model_bytes, run.num_workers, ring)
+
+
+def _sync(run: Run) -> Generator:
+    """Synchronous data parallel: every step, the mean gradient of all workers, one AdamW step.
+
+    The mean of equal-sized workers' gradients is the gradient of their concatenated batch, so
+    one backward pass over that batch stands for the all-reduce.
+    """
+    theta, opt = run.work.theta0, run.work.adamw()
+    step_s = _sync_step_s(run, [1] * run.num_workers)
+    while True:
+        start = run.claim(run.num_workers)
+        batch = torch.cat([run.work.batches(w, 1)[0] for w in range(run.num_workers)])
+        update, _ = rules.local_sgd(run.work.model, opt, theta, [batch], run.lrs(start, 1),
+                                    grad_clip=run.setup.worker.grad_clip)
+        yield run.env.timeout(step_s)
+        theta = theta - update
+        run.record(run.num_workers, theta)
+
+
+def _diloco(run: Run, *, dynamic: bool) -> Generator:
+    """DiLoCo rounds: every worker H local steps from the global model, outer Nesterov step."""
+    cfg = run.setup.diloco
+    steps = run.local_steps(cfg.local_steps, dynamic)
+    round_s, state = _sync_step_s(run, steps), ServerState.start(run.work.theta0)
+    while True:
+        start = run.claim(sum(steps))
+        grads = [run.train(w, state.theta, start, h) for w, h in enumerate(steps)]
+        yield run.env.timeout(round_s)
+        state = rules.diloco_round(state, grads, cfg.outer)
+        run.record(sum(steps), state.theta)
+
+
+def _async_worker(run: Run, worker: int, steps: int, server_region: int,
+                  pull: Callable[[int], torch.Tensor],
+                  push: Callable[[int, torch.Tensor, int], None]) -> Generator:
+    """An asynchronous worker: fetch its server's model, H local steps, send the pseudo-gradient."""
+    net, tm = run.setup.network, run.setup.time_model
+    job_s = timemodel.async_job_s(
+        model_bytes=run.model_bytes, gbps=run.gbps(server_region, net.worker_regions[worker]),
+        steps=steps, speed=net.speeds[worker], step_time_s=tm.local_step_time_s)
+    while True:
+        grad = run.train(worker, pull(worker), run.claim(steps), steps)
+        yield run.env.timeout(job_s)
+        push(worker, grad, steps)
+
+
+def _async_local_sgd(run: Run) -> Generator:
+    """Async-Local-SGD: one server in the GPS region applies each pseudo-gradient on arrival."""
+    cfg, region = run.setup.async_local_sgd, run.setup.network.gps_region
+    state = ServerState.start(run.work.theta0)
+
+    def push(worker: int, grad: torch.Tensor, steps: int) -> None:
+        nonlocal state
+        state = rules.server_apply(state, grad, cfg.server)
+        run.record(steps, state.theta)
+
+    for w, h in enumerate(run.local_steps(cfg.local_steps, cfg.dynamic_local_updates)):
+        run.env.process(_async_worker(run, w, h, region, lambda _: state.theta, push))
+    yield run.done
+
+
+class _Halos:
+    """HALoS's servers: one LPS per group of same-region workers, one GPS."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.cfg = run, run.setup.halos
+        regions = run.setup.network.worker_regions
+        self.lps_of = [w // self.cfg.workers_per_lps for w in range(run.num_workers)]
+        self.region_of_lps = regions[::self.cfg.workers_per_lps]
+        self.lps = [rules.LpsState.start(run.work.theta0) for _ in self.region_of_lps]
+        self.unsent = [0] * len(self.lps)  # local steps absorbed by an LPS since its last send
+        self.gps = ServerState.start(run.work.theta0)
+
+    def pull(self, worker: int) -> torch.Tensor:
+        return self.lps[self.lps_of[worker]].server.theta
+
+    def push(self, worker: int, grad: torch.Tensor, steps: int) -> None:
+        i = self.lps_of[worker]
+        self.lps[i], delta = rules.lps_apply(self.lps[i], grad, self.cfg.lps,
+                                             accumulation_k=self.cfg.accumulation_k)
+        self.unsent[i] += steps
+        if delta is not None:
+            self.run.env.process(self._exchange(i, delta, self.unsent[i]))
+            self.unsent[i] = 0
+
+    def _exchange(self, i: int, delta: torch.Tensor, steps: int) -> Generator:
+        """LPS ``i`` sends its delta, the GPS applies it and returns the global model."""
+        run = self.run
+        hop_s = timemodel.transfer_s(run.model_bytes,
+                                     run.gbps(self.region_of_lps[i], run.setup.network.gps_region))
+        yield run.env.timeout(hop_s)
+        self.gps = rules.server_apply(self.gps, delta, self.cfg.gps)
+        run.record(steps, self.gps.theta)
+        global_theta = self.gps.theta
+        yield run.env.timeout(hop_s)
+        self.lps[i] = rules.lps_merge(self.lps[i], global_theta, self.cfg.merge_alpha)
+
+
+def _halos(run: Run) -> Generator:
+    """HALoS: workers -> their region's LPS (local momentum) -> GPS (global momentum)."""
+    servers = _Halos(run)
+    for w, h in enumerate(run.local_steps(run.setup.halos.local_steps, dynamic=True)):
+        region = run.setup.network.worker_regions[w]
+        run.env.process(_async_worker(run, w, h, region, servers.pull, servers.push))
+    yield run.done
+
+
+PROCESSES: dict[str, Callable[[Run], Generator]] = {
+    "halos": _halos,
+    "diloco": lambda run: _diloco(run, dynamic=False),
+    "diloco_dynupd": lambda run: _diloco(run, dynamic=True),
+    "async_local_sgd": _async_local_sgd,
+    "sync": _sync,
+}

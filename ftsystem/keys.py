@@ -1,0 +1,71 @@
+"""The etcd keyspace, in one place (documented in docs/keyspace.md)."""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "/ftsystem"
+# Replica and job ids become etcd key segments, process-group prefixes and file names.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class InvalidIdError(ValueError):
+    """A job or replica id that cannot be used as a key segment."""
+
+
+def check_id(kind: str, value: str) -> str:
+    if not ID_PATTERN.match(value):
+        raise InvalidIdError(
+            f"invalid {kind} id {value!r}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
+    return value
+
+
+def job(job_id: str) -> str:
+    return f"{ROOT}/{check_id('job', job_id)}"
+
+
+def spec(job_id: str) -> str:
+    """Job spec: replicas, min_replicas, num_steps (written by whoever launches the job)."""
+    return f"{job(job_id)}/spec"
+
+
+def leader(job_id: str) -> str:
+    """Leader election key, bound to the leading controller's lease."""
+    return f"{job(job_id)}/controller/leader"
+
+
+def epoch(job_id: str) -> str:
+    """The current membership epoch; written only by the leader, in a transaction."""
+    return f"{job(job_id)}/epoch"
+
+
+def replicas(job_id: str) -> str:
+    """Prefix of replica registrations, each bound to its replica's lease."""
+    return f"{job(job_id)}/replicas/"
+
+
+def replica(job_id: str, replica_id: str) -> str:
+    return replicas(job_id) + check_id("replica", replica_id)
+
+
+def agents(job_id: str) -> str:
+    """Prefix of agent records, each bound to its agent's lease: alive while it supervises."""
+    return f"{job(job_id)}/agents/"
+
+
+def agent(job_id: str, replica_id: str) -> str:
+    return agents(job_id) + check_id("replica", replica_id)
+
+
+def failures(job_id: str) -> str:
+    """Prefix of the failure history (no lease: kept after the job for reports)."""
+    return f"{job(job_id)}/failures/"
+
+
+def failure(job_id: str, replica_id: str, generation: int) -> str:
+    return f"{failures(job_id)}{check_id('replica', replica_id)}/{generation:06d}"
+
+
+def last_segment(key: str) -> str:
+    return key.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,223 @@
+"""``ftsystem run``: a whole fault-tolerant job on this machine, with failure injection.
+
+Starts etcd (embedded unless ``--etcd`` is given), a controller and one agent per replica, each
+as its own process group with a parent-death signal; shows progress; and on the way out (the
+end, an error or Ctrl-C) stops them in reverse order, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ftsystem import keys, stall
+from ftsystem.etcd_server import EmbeddedEtcd, free_port
+from ftsystem.faults import KillPoint, parse_kill_point
+from ftsystem.store import Store
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaKill:
+    """``--kill-at STEP:REPLICA[:PHASE]``: REPLICA is an index (0-based) into the replicas."""
+
+    replica: int
+    point: KillPoint
+
+
+def parse_replica_kill(text: str, num_replicas: int) -> ReplicaKill:
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
+        raise ValueError(f"malformed --kill-at {text!r}: expected STEP:REPLICA[:PHASE], "
+                         "e.g. 100:1 or 100:1:allreduce")
+    step, replica = int(parts[0]), int(parts[1])
+    if replica >= num_replicas:
+        raise ValueError(f"--kill-at {text!r}: replica {replica} does not exist "
+                         f"(replicas are 0..{num_replicas - 1})")
+    phase = parts[2] if len(parts) == 3 else "step"
+    return ReplicaKill(replica, parse_kill_point(f"{step}:{phase}"))
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    num_replicas: int = 4
+    """Data-parallel replicas (one agent each)."""
+    num_steps: int = 300
+    """Committed steps to train."""
+    min_replicas: int = 1
+    """The job pauses below this many replicas."""
+    etcd: str | None = None
+    """etcd endpoints; None starts an embedded single-node etcd."""
+    job: str = "job"
+    """Job id (etcd key segment)."""
+    kills: list[ReplicaKill] = field(default_factory=list)
+    """Failure injection (``--kill-at``)."""
+    out_dir: Path = Path("runs/latest")
+    """Where results, logs and the summary go."""
+    train_args: list[str] = field(default_factory=list)
+    """Extra arguments for ``ftsystem.train``."""
+    controller_port: int = 0
+    """REST API port (0: a free one)."""
+    timeout_s: float = 30.0
+    """FTSYSTEM_TIMEOUT_S for the replicas."""
+    show_progress: bool = True
+
+
+def replica_id(index: int) -> str:
+    return f"r{index}"
+
+
+class ProcessGroup:
+    """Child processes that die with us and are stopped in reverse order of start."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def etcd_endpoint(url: str | None, data_dir: Path) -> Iterator[str]:
+    """The given endpoints, or an embedded etcd's for the duration of the block."""
+    if url:
+        yield url
+        return
+    with EmbeddedEtcd(data_dir=data_dir) as etcd:
+        yield etcd.url
+
+
+def run_job(cfg: RunConfig) -> dict:
+    """Run the job to the end; returns the summary (also written to ``out_dir``)."""
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "results").mkdir(exist_ok=True)
+    procs = ProcessGroup(cfg.out_dir)
+    with etcd_endpoint(cfg.etcd, cfg.out_dir / "etcd") as etcd:
+        asyncio.run(_reset_job(etcd, cfg))
+        try:
+            port = cfg.controller_port or free_port()
+            procs.start("controller", _cli("controller", "--etcd", etcd, "--job", cfg.job,
+                                           "--port", str(port)))
+            agents = [procs.start(f"agent-{replica_id(i)}", _agent_cmd(cfg, etcd, i))
+                      for i in range(cfg.num_replicas)]
+            started = time.time()
+            _wait_with_progress(cfg, etcd, agents)
+            summary = asyncio.run(_summarize(cfg, etcd, agents, time.time() - started))
+            summary["controller"] = f"http://127.0.0.1:{port}"
+        finally:
+            procs.stop_all()
+    (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ftsystem.cli", *args]
+
+
+def _agent_cmd(cfg: RunConfig, etcd: str, index: int) -> list[str]:
+    kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
+    train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
+             "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args]
+    return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
+                "--timeout", str(cfg.timeout_s), *kills, "--", *train)
+
+
+async def _reset_job(etcd: str, cfg: RunConfig) -> None:
+    """A fresh job: drop what a previous run of the same job id left, write the spec."""
+    async with Store(etcd) as store:
+        await store.delete_prefix(keys.job(cfg.job) + "/")
+        await store.put_json(keys.spec(cfg.job), {
+            "replicas": cfg.num_replicas, "min_replicas": cfg.min_replicas,
+            "num_steps": cfg.num_steps})
+
+
+def _wait_with_progress(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen]) -> None:
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(),
+               TextColumn("step {task.completed:.0f}/{task.total:.0f} {task.fields[info]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=not cfg.show_progress) as progress:
+        task = progress.add_task(cfg.job, total=cfg.num_steps, info="")
+        while any(a.poll() is None for a in agents):
+            view = asyncio.run(_peek(etcd, cfg.job))
+            progress.update(task, completed=max(view["step"], progress.tasks[0].completed),
+                            info=view["info"])
+            time.sleep(0.5)
+
+
+async def _peek(etcd: str, job: str) -> dict:
+    async with Store(etcd) as store:
+        items, _ = await store.get_prefix(keys.job(job) + "/")
+    regs = [json.loads(v) for k, v in items.items() if k.startswith(keys.replicas(job))]
+    failures = sum(1 for k in items if k.startswith(keys.failures(job)))
+    epoch = json.loads(items.get(keys.epoch(job), b'{"number": 0, "members": []}'))
+    members = len(epoch["members"])
+    return {"step": max((r["step"] for r in regs), default=0),
+            "info": f"epoch {epoch['number']} members {members} failures {failures}"}
+
+
+async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
+                     wall_s: float) -> dict:
+    async with Store(etcd) as store:
+        items, _ = await store.get_prefix(keys.failures(cfg.job))
+    failures = sorted(({"replica": k[len(keys.failures(cfg.job)):].split("/")[0],
+                        **json.loads(v)} for k, v in items.items()), key=lambda f: f["time"])
+    results = {}
+    for path in sorted((cfg.out_dir / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        results[result["replica"]] = result
+    return summarize(results, failures, wall_s=wall_s,
+                     agent_exit_codes=[a.returncode for a in agents])
+
+
+def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
+              agent_exit_codes: list[int]) -> dict:
+    """Pure: the run's summary from replica results and the failure history."""
+    timelines = {rid: r["commits"] for rid, r in results.items()}
+    for f in failures:
+        f["stall_s"] = stall.failure_stall(timelines, f["time"], [f["replica"]])
+    hashes = {r["state_hash"] for r in results.values()}
+    steps = {r["step"] for r in results.values()}
+    stalls = [f["stall_s"] for f in failures if f["stall_s"] is not None]
+    return {
+        "steps": max(steps, default=0),
+        "replicas_finished": len(results),
+        "agents_ok": all(code == 0 for code in agent_exit_codes),
+        "failures": failures,
+        "stall_s": stall.distribution(stalls),
+        "step_time_s": stall.distribution([stall.normal_step_time(t) for t in timelines.values()]),
+        "eval_loss": sorted({r["eval_loss"] for r in results.values()}),
+        "train_loss": {rid: r["train_loss"] for rid, r in results.items()},
+        "bitwise_identical": len(hashes) == 1 and len(steps) == 1 and bool(results),
+        "wall_s": wall_s,
+    }

@@ -1,0 +1,38 @@
+"""Every Prometheus metric of ftsystem, in one module (``ftsystem_`` prefix, base units).
+
+Each process exposes the metrics it updates; the others stay at zero.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# --- controller ---
+REPLICAS = Gauge("ftsystem_replicas", "Registered replicas by state", ["job", "state"])
+EPOCH = Gauge("ftsystem_epoch", "Current membership epoch number", ["job"])
+EPOCH_MEMBERS = Gauge("ftsystem_epoch_members", "Members of the current epoch", ["job"])
+MEMBERSHIP_CHANGES = Counter("ftsystem_membership_changes_total",
+                             "Epochs published, by reason", ["job", "reason"])
+DECISION_LATENCY = Histogram("ftsystem_membership_decision_seconds",
+                             "From a registration change seen to its epoch published",
+                             ["job"], buckets=_LATENCY_BUCKETS)
+IS_LEADER = Gauge("ftsystem_controller_is_leader", "1 on the leading controller", ["job"])
+
+# --- agent ---
+REPLICA_RESTARTS = Counter("ftsystem_replica_restarts_total", "Replica restarts by the agent",
+                           ["job", "replica"])
+
+# --- training process ---
+STEPS = Counter("ftsystem_steps_committed_total", "Committed training steps", ["job", "replica"])
+STEP_DURATION = Histogram("ftsystem_step_duration_seconds", "Wall time per committed step",
+                          ["job", "replica"], buckets=_LATENCY_BUCKETS)
+FTAR_DURATION = Histogram("ftsystem_ftar_duration_seconds", "Fault-tolerant all-reduce time",
+                          ["job", "replica"], buckets=_LATENCY_BUCKETS)
+FTAR_FAILURES = Counter("ftsystem_ftar_failures_total", "All-reduce attempts that failed",
+                        ["job", "replica"])
+STALL = Counter("ftsystem_stall_seconds_total",
+                "Seconds spent reconfiguring or waiting for an epoch", ["job", "replica"])
+LOSS = Gauge("ftsystem_training_loss", "Last training loss", ["job", "replica"])
+SAMPLES = Counter("ftsystem_samples_total", "Training samples committed", ["job", "replica"])

@@ -1,0 +1,168 @@
+"""What a replica process gets from its agent: the environment contract and the control plane.
+
+The agent launches each rank with torchrun-style variables for the replica's own group
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) plus ``FTSYSTEM_*``
+variables naming the job, the replica, its generation and lease, etcd, and a heartbeat file.
+:class:`ControlPlane` gives the synchronous training loop what it needs from etcd (the latest
+epoch, its own registration) through an asyncio loop running in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Coroutine, TypeVar
+
+from ftsystem import keys
+from ftsystem.membership import Epoch, Registration, ReplicaState
+from ftsystem.store import Store
+
+T = TypeVar("T")
+
+ENV_ETCD = "FTSYSTEM_ETCD"
+ENV_JOB = "FTSYSTEM_JOB"
+ENV_REPLICA = "FTSYSTEM_REPLICA_ID"
+ENV_GENERATION = "FTSYSTEM_GENERATION"
+ENV_LEASE = "FTSYSTEM_LEASE_ID"
+ENV_HEARTBEAT = "FTSYSTEM_HEARTBEAT"
+ENV_HOST = "FTSYSTEM_HOST"
+ENV_TIMEOUT = "FTSYSTEM_TIMEOUT_S"
+ENV_KILL_AT = "FTSYSTEM_KILL_AT"
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaContext:
+    etcd: str
+    job: str
+    replica_id: str
+    generation: int
+    lease_id: int
+    heartbeat_path: str
+    host: str
+    local_rank: int
+    local_world_size: int
+    timeout_s: float
+    """The one timeout users set: collectives and rendezvous give up after it."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "ReplicaContext":
+        env = dict(os.environ if env is None else env)
+        missing = [v for v in (ENV_ETCD, ENV_JOB, ENV_REPLICA, ENV_LEASE) if v not in env]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} not set: run this script under "
+                               "`ftsystem agent` (or `ftsystem run`), which sets them")
+        return cls(etcd=env[ENV_ETCD], job=keys.check_id("job", env[ENV_JOB]),
+                   replica_id=keys.check_id("replica", env[ENV_REPLICA]),
+                   generation=int(env.get(ENV_GENERATION, "0")), lease_id=int(env[ENV_LEASE]),
+                   heartbeat_path=env.get(ENV_HEARTBEAT, ""),
+                   host=env.get(ENV_HOST, "127.0.0.1"),
+                   local_rank=int(env.get("LOCAL_RANK", "0")),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
+                   timeout_s=float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)))
+
+
+class BackgroundLoop:
+    """An asyncio loop in a daemon thread, for synchronous callers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="ftsystem-control")
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class Heartbeat:
+    """The file the agent's step watchdog reads: its mtime is liveness, its content the step."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
+
+    def beat(self, step: int) -> None:
+        if self._fd is not None:
+            data = f"{step}\n".encode()
+            os.pwrite(self._fd, data.ljust(24), 0)  # fixed width: no truncate needed
+
+
+class ControlPlane:
+    """The replica's view of its job in etcd: follows the epoch key, owns its registration."""
+
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.ctx = ctx
+        self._bg = BackgroundLoop()
+        self._store = Store(ctx.etcd)
+        self._epoch: Epoch | None = None
+        self._changed = threading.Condition()
+        self._registration: Registration | None = None
+        self._pending_report: Future | None = None
+        self._bg.run(self._store.connect())
+        self._watcher = self._bg.submit(self._follow_epochs())
+
+    async def _follow_epochs(self) -> None:
+        key = keys.epoch(self.ctx.job)
+        items, revision = await self._store.get_prefix(key)
+        if key in items:
+            self._set_epoch(Epoch.from_json(items[key]))
+        async for event in self._store.watch_prefix(key, start_revision=revision + 1):
+            if event.key == key and event.kind == "PUT":
+                self._set_epoch(Epoch.from_json(event.value))
+
+    def _set_epoch(self, epoch: Epoch) -> None:
+        with self._changed:
+            if self._epoch is None or epoch.number > self._epoch.number:
+                self._epoch = epoch
+                self._changed.notify_all()
+
+    @property
+    def epoch(self) -> Epoch | None:
+        """The newest epoch seen (it may be newer than the one the data plane uses)."""
+        return self._epoch
+
+    def wait_for_epoch(self, newer_than: int, timeout_s: float) -> Epoch | None:
+        """Block until an epoch numbered above ``newer_than`` is seen, or None on timeout."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._epoch is not None and self._epoch.number > newer_than, timeout_s)
+            epoch = self._epoch
+        return epoch if epoch is not None and epoch.number > newer_than else None
+
+    def register(self, **changes: Any) -> None:
+        """Publish this replica's registration (bound to the agent's lease), waiting for it."""
+        self._bg.run(self._put_registration(changes), timeout=self.ctx.timeout_s)
+
+    def report(self, **changes: Any) -> None:
+        """Publish without waiting (step progress); skipped while the previous one is in flight."""
+        if self._pending_report is None or self._pending_report.done():
+            self._pending_report = self._bg.submit(self._put_registration(changes))
+
+    async def _put_registration(self, changes: dict[str, Any]) -> None:
+        base = self._registration or Registration(
+            replica_id=self.ctx.replica_id, state=ReplicaState.STARTING,
+            generation=self.ctx.generation, host=self.ctx.host, pid=os.getpid())
+        self._registration = dataclasses.replace(base, **changes)
+        await self._store.put(keys.replica(self.ctx.job, self.ctx.replica_id),
+                              self._registration.to_json(), lease=self.ctx.lease_id)
+
+    def job_items(self, prefix: str) -> dict[str, bytes]:
+        return self._bg.run(self._store.get_prefix(prefix), timeout=self.ctx.timeout_s)[0]
+
+    def close(self) -> None:
+        self._watcher.cancel()
+        try:
+            self._bg.run(self._store.close(), timeout=5)
+        finally:
+            self._bg.stop()

@@ -1,0 +1,1 @@
+"""Simulators for scales that do not fit on the machines here (``ftsystem sim ...``)."""

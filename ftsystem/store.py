@@ -1,0 +1,258 @@
+"""etcd access for every ftsystem process, over the asyncio client aetcd.
+
+One choke point maps client errors to a small typed hierarchy; transient failures (connection
+refused, deadline exceeded) are retried with backoff across the configured endpoints until a
+deadline, after which :class:`StoreUnavailableError` names the endpoints and says what to do.
+Watches resume from the last revision they delivered after a reconnect, so a watcher never
+misses an event across an etcd restart or a failover to another member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import aetcd
+import aetcd.exceptions as etcd_errors
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long an operation keeps retrying a transient failure before giving up.
+RETRY_DEADLINE_ENV = "FTSYSTEM_ETCD_RETRY_S"
+DEFAULT_RETRY_DEADLINE_S = 10.0
+RPC_TIMEOUT_S = 5.0
+_TRANSIENT = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
+              etcd_errors.InternalError, asyncio.TimeoutError, ConnectionError)
+
+
+class StoreError(Exception):
+    """Any failure talking to etcd."""
+
+
+class StoreUnavailableError(StoreError):
+    """No configured etcd endpoint answered before the retry deadline."""
+
+
+class LeaseLostError(StoreError):
+    """A lease expired or was revoked while its owner still needed it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def parse_endpoints(spec: str) -> list[Endpoint]:
+    """Parse ``"http://h1:2379,h2:2379"`` (scheme optional) into endpoints."""
+    endpoints = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        hostport = item.split("://", 1)[-1].rstrip("/")
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"malformed etcd endpoint {item!r}: expected host:port, "
+                             "e.g. http://127.0.0.1:2379")
+        endpoints.append(Endpoint(host.strip("[]"), int(port)))
+    if not endpoints:
+        raise ValueError("no etcd endpoint given: pass --etcd http://HOST:PORT")
+    return endpoints
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    kind: str  # "PUT" or "DELETE"
+    key: str
+    value: bytes
+    revision: int
+
+    def json(self) -> Any:
+        return json.loads(self.value) if self.value else None
+
+
+class Store:
+    """An etcd client bound to one or several endpoints of the same cluster."""
+
+    def __init__(self, endpoints: str | list[Endpoint], *,
+                 retry_deadline_s: float | None = None) -> None:
+        self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else endpoints
+        self.retry_deadline_s = retry_deadline_s if retry_deadline_s is not None else float(
+            os.environ.get(RETRY_DEADLINE_ENV, DEFAULT_RETRY_DEADLINE_S))
+        self._index = 0
+        self._client: aetcd.Client | None = None
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.endpoints))
+
+    async def __aenter__(self) -> "Store":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Check that some endpoint answers; raise :class:`StoreUnavailableError` otherwise."""
+        await self._retry(self._status)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    # --- the choke point -------------------------------------------------------------------
+
+    async def _status(self) -> None:
+        await self._ensure_client().status()
+
+    def _ensure_client(self) -> aetcd.Client:
+        if self._client is None:
+            ep = self.endpoints[self._index % len(self.endpoints)]
+            self._client = aetcd.Client(ep.host, ep.port, timeout=RPC_TIMEOUT_S)
+        return self._client
+
+    async def _rotate(self) -> None:
+        """Drop the current connection and move on to the next endpoint."""
+        await self.close()
+        self._index += 1
+
+    async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_deadline_s
+        delay = 0.05
+        while True:
+            try:
+                return await op()
+            except _TRANSIENT as e:
+                if loop.time() + delay > deadline:
+                    raise StoreUnavailableError(
+                        f"etcd unreachable at {self} for {self.retry_deadline_s:.0f} s ({e}); "
+                        "start it (`ftsystem etcd`) or pass the right --etcd URL") from e
+                log.debug("etcd transient error (%s); retrying in %.2fs", e, delay)
+                await self._rotate()
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
+            except etcd_errors.ClientError as e:
+                raise StoreError(f"etcd at {self} refused the request: {e}") from e
+
+    # --- key-value -------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        result = await self._retry(lambda: self._ensure_client().get(key.encode()))
+        return None if result is None else result.value
+
+    async def get_json(self, key: str) -> Any:
+        value = await self.get(key)
+        return None if value is None else json.loads(value)
+
+    async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        """All keys under ``prefix`` and the store revision they were read at."""
+        async def op() -> tuple[dict[str, bytes], int]:
+            result = await self._ensure_client().get_prefix(prefix.encode())
+            items = {kv.key.decode(): kv.value for kv in result}
+            return items, result.header.revision
+        return await self._retry(op)
+
+    async def put(self, key: str, value: bytes | str, *, lease: int | None = None) -> int:
+        """Write ``value``; returns the revision of the write."""
+        data = value.encode() if isinstance(value, str) else value
+        result = await self._retry(
+            lambda: self._ensure_client().put(key.encode(), data, lease=lease))
+        return result.header.revision
+
+    async def put_json(self, key: str, value: Any, *, lease: int | None = None) -> int:
+        return await self.put(key, json.dumps(value, sort_keys=True), lease=lease)
+
+    async def delete(self, key: str) -> None:
+        await self._retry(lambda: self._ensure_client().delete(key.encode()))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self._retry(lambda: self._ensure_client().delete_prefix(prefix.encode()))
+
+    # --- transactions ----------------------------------------------------------------------
+
+    async def put_if_absent(self, key: str, value: bytes | str, *, lease: int | None = None
+                            ) -> bool:
+        """Create ``key`` only if it does not exist; True if this call created it."""
+        client = self._ensure_client()
+        return await self._txn(
+            [client.transactions.version(key.encode()) == 0],
+            [client.transactions.put(key.encode(), _bytes(value), lease=lease)])
+
+    async def put_if_equal(self, guard_key: str, guard_value: bytes | str,
+                           key: str, value: bytes | str) -> bool:
+        """Write ``key`` only while ``guard_key`` holds ``guard_value`` (e.g. leadership)."""
+        client = self._ensure_client()
+        return await self._txn(
+            [client.transactions.value(guard_key.encode()) == _bytes(guard_value)],
+            [client.transactions.put(key.encode(), _bytes(value))])
+
+    async def _txn(self, compare: list, success: list) -> bool:
+        async def op() -> bool:
+            ok, _ = await self._ensure_client().transaction(
+                compare=compare, success=success, failure=[])
+            return ok
+        return await self._retry(op)
+
+    # --- leases ----------------------------------------------------------------------------
+
+    async def grant(self, ttl_s: int) -> int:
+        """Grant a lease of ``ttl_s`` seconds; returns its id."""
+        lease = await self._retry(lambda: self._ensure_client().lease(ttl_s))
+        return lease.id
+
+    async def refresh(self, lease_id: int) -> None:
+        reply = await self._retry(lambda: self._ensure_client().refresh_lease(lease_id))
+        if reply is None or reply.TTL <= 0:
+            raise LeaseLostError(f"lease {lease_id:x} expired or was revoked")
+
+    async def revoke(self, lease_id: int) -> None:
+        try:
+            await self._retry(lambda: self._ensure_client().revoke_lease(lease_id))
+        except StoreError as e:
+            if "not found" not in str(e):  # already gone: the outcome wanted
+                raise
+
+    async def keep_alive(self, lease_id: int, ttl_s: int) -> None:
+        """Refresh ``lease_id`` every third of its TTL until cancelled.
+
+        Raises :class:`LeaseLostError` when the lease is gone (it expired during an outage).
+        """
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            await self.refresh(lease_id)
+
+    # --- watches ---------------------------------------------------------------------------
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Events under ``prefix`` from ``start_revision`` on, resuming after reconnects."""
+        next_revision = start_revision
+        while True:
+            try:
+                client = self._ensure_client()
+                watch = await client.watch_prefix(prefix.encode(), start_revision=next_revision)
+                async for event in watch:
+                    kv = event.kv
+                    next_revision = kv.mod_revision + 1
+                    yield WatchEvent(event.kind, kv.key.decode(), kv.value, kv.mod_revision)
+                return  # the watch was cancelled
+            except etcd_errors.RevisionCompactedError as e:
+                raise StoreError(f"watch of {prefix} fell behind compaction ({e}); re-read "
+                                 "the prefix and watch again") from e
+            except (*_TRANSIENT, aetcd.rpc.AioRpcError) as e:
+                log.info("watch of %s interrupted (%s); resuming from revision %d",
+                         prefix, e, next_revision)
+                await self._rotate()
+                await self._retry(self._status)
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value

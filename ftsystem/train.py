@@ -1,0 +1,95 @@
+"""The example replica program of ``ftsystem run``: TinyGPT on the synthetic Markov language.
+
+Run it under an agent: ``ftsystem agent ... -- python -m ftsystem.train --steps 300``. At the end
+it writes ``OUT/<replica>.json`` (commits with wall times, epochs entered, final losses, the state
+hash) for the run's summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ftsystem.hsdp import FTReplica
+from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
+
+EVAL_SHARD = -1  # a shard no replica trains on
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=300, help="committed steps to train")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per replica and step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and the language")
+    p.add_argument("--data-shard", type=int, default=0, help="this replica's data shard")
+    p.add_argument("--model-params", type=int, default=0,
+                   help="approximate parameter count (0: the small default model)")
+    p.add_argument("--sleep-per-step", type=float, default=0.0,
+                   help="extra seconds per step, to emulate a slower accelerator")
+    p.add_argument("--out", type=Path, default=None, help="directory for the result JSON")
+    p.add_argument("--linger", type=float, default=120.0,
+                   help="seconds a finished replica waits to serve replicas still restarting")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig.for_params(args.model_params) if args.model_params else ModelConfig()
+    model = TinyGPT(cfg)
+    language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ft = FTReplica(model, optimizer)
+    try:
+        ft.start()
+        loss = train(ft, model, optimizer, language, args)
+        ft.finish(args.linger)
+        write_result(ft, model, language, args, loss)
+    finally:
+        ft.close()
+
+
+def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
+          language: MarkovLanguage, args: argparse.Namespace) -> float:
+    loss = float("nan")
+    while ft.step < args.steps:
+        batch = language.batch(shard=args.data_shard, step=ft.step,
+                               batch_size=args.batch_size, seq_len=model.cfg.seq_len)
+        optimizer.zero_grad()
+        step_loss = model.loss(batch)
+        step_loss.backward()
+        if args.sleep_per_step:
+            time.sleep(args.sleep_per_step)
+        if ft.commit():
+            loss = step_loss.item()
+    return loss
+
+
+def eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:
+    batch = language.batch(shard=EVAL_SHARD, step=0, batch_size=64, seq_len=model.cfg.seq_len)
+    with torch.no_grad():
+        return model.loss(batch).item()
+
+
+def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
+                 args: argparse.Namespace, loss: float) -> None:
+    if args.out is None:
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,
+              "commits": ft.commits, "epochs": ft.epochs, "train_loss": loss,
+              "eval_loss": eval_loss(model, language), "state_hash": ft.state_hash(),
+              "num_params": num_params(model)}
+    (args.out / f"{ft.ctx.replica_id}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
