@@ -10,7 +10,6 @@ with a parent-death signal, so neither a Ctrl-C nor a SIGKILL of the agent leave
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -23,10 +22,10 @@ from ftsystem import keys, metrics, runtime
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import KillPoint, format_kill_points
 from ftsystem.membership import Registration, ReplicaState
+from ftsystem.procs import die_with_parent, signal_group
 from ftsystem.store import Store, StoreError
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,11 +63,6 @@ class Outcome:
     success: bool
     reason: str
     last_step: int = 0
-
-
-def _set_parent_death_signal() -> None:
-    """In the child, before exec: die with the agent, whatever kills it."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Agent:
@@ -172,8 +166,7 @@ class Agent:
                 runtime.ENV_KILL_AT: format_kill_points(self.kill_at),
             }
             self.children.append(await asyncio.create_subprocess_exec(
-                *self.cfg.command, env=env, start_new_session=True,
-                preexec_fn=_set_parent_death_signal))
+                *die_with_parent(self.cfg.command), env=env, start_new_session=True))
         return heartbeats
 
     async def _watch_children(self, heartbeats: list[Path]) -> Outcome:
@@ -216,7 +209,7 @@ class Agent:
     async def _forward_stop(self) -> None:
         for child in self.children:
             if child.returncode is None:
-                _signal_group(child.pid, signal.SIGTERM)
+                signal_group(child.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.gather(*(c.wait() for c in self.children)),
                                    self.cfg.grace_s)
@@ -225,15 +218,8 @@ class Agent:
 
     async def _kill_children(self) -> None:
         for child in self.children:
-            _signal_group(child.pid, signal.SIGKILL)
+            signal_group(child.pid, signal.SIGKILL)
         await asyncio.gather(*(c.wait() for c in self.children))
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the child leads its own session: this reaches its descendants
-    except ProcessLookupError:
-        pass
 
 
 def _last_step(heartbeats: list[Path]) -> int:

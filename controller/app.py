@@ -42,7 +42,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, elect: bool = True) -> FastAP
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok", "job": cfg.job, "instance": cfg.instance_id,
-                "leader": is_leader.is_set()}
+                "pid": os.getpid(), "leader": is_leader.is_set()}
 
     @app.get("/v1/jobs/{job}")
     async def get_job(job: str) -> dict:

@@ -158,6 +158,8 @@ class MembershipLoop:
             self.registrations[rid] = Registration.from_json(event.value)
 
     async def _decide(self, *, join_tick: bool, seen: float) -> None:
+        if self.epoch is None:  # the spec may be written after the controller started
+            self.policy = await read_policy(self.store, self.cfg)
         deadline_passed = time.monotonic() - self.started > self.cfg.start_timeout_s
         nxt = decide(self.epoch, self.registrations, self.policy, join_tick=join_tick,
                      start_deadline_passed=deadline_passed)
@@ -168,11 +170,13 @@ class MembershipLoop:
             keys.epoch(self.cfg.job), nxt.to_json())
         if not published:
             raise StoreError("leader key changed hands; stepping down")
-        self.epoch = nxt
         job = self.cfg.job
         metrics.DECISION_LATENCY.labels(job).observe(time.monotonic() - seen)
         metrics.MEMBERSHIP_CHANGES.labels(job, nxt.reason).inc()
         metrics.EPOCH.labels(job).set(nxt.number)
         metrics.EPOCH_MEMBERS.labels(job).set(len(nxt.members))
-        log.info("epoch %d (%s): %d members %s%s", nxt.number, nxt.reason, len(nxt.members),
-                 ",".join(nxt.members), " PAUSED" if nxt.paused else "")
+        before = set(self.epoch.members) if self.epoch else set()
+        log.info("epoch %d (%s): %d members, -[%s] +[%s]%s", nxt.number, nxt.reason,
+                 len(nxt.members), ",".join(sorted(before - set(nxt.members))),
+                 ",".join(sorted(set(nxt.members) - before)), " PAUSED" if nxt.paused else "")
+        self.epoch = nxt

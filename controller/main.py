@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -18,5 +19,11 @@ def serve(*, etcd: str, job: str, port: int, host: str = "127.0.0.1",
     logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(message)s")
     cfg = LeaderConfig(job=job, min_replicas=min_replicas,
                        instance_id=instance_id or f"{socket.gethostname()}-{os.getpid()}-{port}")
+    asyncio.run(_check_reachable(etcd))  # fail fast, with the store's message
     app = create_app(Store(etcd), cfg)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+async def _check_reachable(etcd: str) -> None:
+    async with Store(etcd):
+        pass

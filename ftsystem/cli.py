@@ -67,8 +67,12 @@ def controller(etcd: str = typer.Option(..., help=ETCD_HELP),
         parse_endpoints(etcd)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--etcd") from e
-    serve(etcd=etcd, job=job, port=port, host=host, instance_id=instance_id,
-          min_replicas=min_replicas)
+    from ftsystem.store import StoreError
+    try:
+        serve(etcd=etcd, job=job, port=port, host=host, instance_id=instance_id,
+              min_replicas=min_replicas)
+    except StoreError as e:
+        raise _fail(str(e))
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -95,11 +99,16 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
         points = [parse_kill_point(p) for p in kill_at]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
+    from ftsystem.store import StoreError
     os.environ[ENV_TIMEOUT] = str(timeout)
     cfg = AgentConfig(etcd=etcd, job=job, replica_id=replica_id, command=command,
                       num_procs=nproc_per_replica, max_restarts=max_restarts,
                       watchdog_s=watchdog, kill_at=points, host=host)
-    raise typer.Exit(run_agent(cfg))
+    try:
+        code = run_agent(cfg)
+    except (StoreError, ValueError) as e:
+        raise _fail(str(e))
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -130,15 +139,22 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
     train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
     cfg = RunConfig(num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
-                    timeout_s=timeout, controller_port=port)
-    summary = run_job(cfg)
+                    timeout_s=timeout, controller_ports=[port])
+    from ftsystem.etcd_server import EtcdNotInstalledError
+    from ftsystem.store import StoreError
+    try:
+        summary = run_job(cfg)
+    except (StoreError, EtcdNotInstalledError, ValueError) as e:
+        raise _fail(str(e))
     print_table(f"job {job}: failures", ["replica", "at step", "reason", "survivor stall (s)"],
                 [(f["replica"], f["step"], f["reason"], f["stall_s"])
                  for f in summary["failures"]])
     print_table(f"job {job}: summary", ["steps", "failures", "median stall (s)",
-                                        "median step (s)", "eval loss", "bitwise identical"],
+                                        "median step (s)", "ETTR time", "ETTR work",
+                                        "eval loss", "bitwise identical"],
                 [(summary["steps"], len(summary["failures"]), summary["stall_s"]["median"],
-                  summary["step_time_s"]["median"], summary["eval_loss"],
+                  summary["step_time_s"]["median"], summary["ettr_time"], summary["ettr_work"],
+                  ", ".join(f"{x:.4f}" for x in summary["eval_loss"]),
                   summary["bitwise_identical"])])
     write_json(json_out, summary)
     if not (summary["bitwise_identical"] and summary["agents_ok"]):
@@ -147,6 +163,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
 
 # Sub-command modules register themselves on the apps above when imported (one line each).
 # --- registrations ---
+from ftsystem.benchmarks import controller_bench, failover  # noqa: E402,F401
 from ftsystem.sim import ettr_cli  # noqa: E402,F401
 from ftsystem.halos import cli as halos_cli  # noqa: E402,F401
 

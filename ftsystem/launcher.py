@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import signal
 import subprocess
@@ -21,12 +20,11 @@ from typing import Iterator
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ftsystem import keys, stall
+from ftsystem import ettr, keys, stall
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
 from ftsystem.faults import KillPoint, parse_kill_point
+from ftsystem.procs import die_with_parent
 from ftsystem.store import Store
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +66,8 @@ class RunConfig:
     """Where results, logs and the summary go."""
     train_args: list[str] = field(default_factory=list)
     """Extra arguments for ``ftsystem.train``."""
-    controller_port: int = 0
-    """REST API port (0: a free one)."""
+    controller_ports: list[int] = field(default_factory=lambda: [0])
+    """One controller instance per entry, on that REST port (0: a free one)."""
     timeout_s: float = 30.0
     """FTSYSTEM_TIMEOUT_S for the replicas."""
     show_progress: bool = True
@@ -88,8 +86,8 @@ class ProcessGroup:
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -102,10 +100,6 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -126,15 +120,16 @@ def run_job(cfg: RunConfig) -> dict:
     with etcd_endpoint(cfg.etcd, cfg.out_dir / "etcd") as etcd:
         asyncio.run(_reset_job(etcd, cfg))
         try:
-            port = cfg.controller_port or free_port()
-            procs.start("controller", _cli("controller", "--etcd", etcd, "--job", cfg.job,
-                                           "--port", str(port)))
+            ports = [port or free_port() for port in cfg.controller_ports]
+            for i, port in enumerate(ports):
+                procs.start(f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
+                                                   cfg.job, "--port", str(port)))
             agents = [procs.start(f"agent-{replica_id(i)}", _agent_cmd(cfg, etcd, i))
                       for i in range(cfg.num_replicas)]
             started = time.time()
             _wait_with_progress(cfg, etcd, agents)
             summary = asyncio.run(_summarize(cfg, etcd, agents, time.time() - started))
-            summary["controller"] = f"http://127.0.0.1:{port}"
+            summary["controllers"] = [f"http://127.0.0.1:{port}" for port in ports]
         finally:
             procs.stop_all()
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -196,12 +191,12 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
     for path in sorted((cfg.out_dir / "results").glob("*.json")):
         result = json.loads(path.read_text())
         results[result["replica"]] = result
-    return summarize(results, failures, wall_s=wall_s,
+    return summarize(results, failures, wall_s=wall_s, num_replicas=cfg.num_replicas,
                      agent_exit_codes=[a.returncode for a in agents])
 
 
 def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
-              agent_exit_codes: list[int]) -> dict:
+              num_replicas: int, agent_exit_codes: list[int]) -> dict:
     """Pure: the run's summary from replica results and the failure history."""
     timelines = {rid: r["commits"] for rid, r in results.items()}
     for f in failures:
@@ -220,4 +215,5 @@ def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
         "train_loss": {rid: r["train_loss"] for rid, r in results.items()},
         "bitwise_identical": len(hashes) == 1 and len(steps) == 1 and bool(results),
         "wall_s": wall_s,
+        **ettr.ettr(timelines, num_replicas),
     }

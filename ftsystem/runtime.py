@@ -109,6 +109,7 @@ class ControlPlane:
         self._changed = threading.Condition()
         self._registration: Registration | None = None
         self._pending_report: Future | None = None
+        self._write_lock: asyncio.Lock | None = None  # created on the background loop
         self._bg.run(self._store.connect())
         self._watcher = self._bg.submit(self._follow_epochs())
 
@@ -150,12 +151,16 @@ class ControlPlane:
             self._pending_report = self._bg.submit(self._put_registration(changes))
 
     async def _put_registration(self, changes: dict[str, Any]) -> None:
-        base = self._registration or Registration(
-            replica_id=self.ctx.replica_id, state=ReplicaState.STARTING,
-            generation=self.ctx.generation, host=self.ctx.host, pid=os.getpid())
-        self._registration = dataclasses.replace(base, **changes)
-        await self._store.put(keys.replica(self.ctx.job, self.ctx.replica_id),
-                              self._registration.to_json(), lease=self.ctx.lease_id)
+        # Concurrent puts may reach etcd in any order: a late step report could overwrite
+        # "done". The lock (FIFO) keeps the writes in the order they were asked for.
+        self._write_lock = self._write_lock or asyncio.Lock()
+        async with self._write_lock:
+            base = self._registration or Registration(
+                replica_id=self.ctx.replica_id, state=ReplicaState.STARTING,
+                generation=self.ctx.generation, host=self.ctx.host, pid=os.getpid())
+            self._registration = dataclasses.replace(base, **changes)
+            await self._store.put(keys.replica(self.ctx.job, self.ctx.replica_id),
+                                  self._registration.to_json(), lease=self.ctx.lease_id)
 
     def job_items(self, prefix: str) -> dict[str, bytes]:
         return self._bg.run(self._store.get_prefix(prefix), timeout=self.ctx.timeout_s)[0]

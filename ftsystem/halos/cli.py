@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from ftsystem.cli import bench_app, sim_app
-from ftsystem.halos.config import DEFAULT_SETUP, DEFAULT_TRACE, SetupError
+from ftsystem.halos.config import DEFAULT_SETUP, DEFAULT_TRACE, PaperSetup, SetupError
+
+if TYPE_CHECKING:
+    from ftsystem.halos.simulator import SimConfig
 
 ALL_METHODS = "halos,diloco,diloco_dynupd,async_local_sgd,sync"
 QUICK_ITERS, FULL_ITERS = 384, 1536
@@ -33,16 +37,18 @@ def sim_halos(
     json_path: Path = typer.Option(None, "--json", help="Write the figures here."),
     plot: Path = typer.Option(Path("bench/results/halos_sim.png"), help="Loss curves (PNG)."),
 ) -> None:
-    """Trace-driven simulation of HALoS and its baselines in virtual time (real small-model loss)."""
-    _run(title="sim halos", setup=setup, trace=trace, pythia=pythia, step_time_ms=step_time_ms,
-         iters=iters, methods=methods, non_iid=non_iid, local_batch=local_batch,
-         branching=branching, seed=seed, eval_points=eval_points, json_path=json_path, plot=plot)
+    """Trace-driven simulation of HALoS and its baselines in virtual time (real loss)."""
+    paper, cfg = _load(setup, trace, pythia=pythia, step_time_ms=step_time_ms, iters=iters,
+                       eval_points=eval_points, local_batch=local_batch, branching=branching,
+                       non_iid=non_iid, seed=seed)
+    _run("sim halos", paper, cfg, _methods(methods), json_path, plot)
 
 
 @bench_app.command("halos")
 def bench_halos(
     json_path: Path = typer.Option(..., "--json", help="Write the figures here."),
-    quick: bool = typer.Option(False, "--quick", help=f"{QUICK_ITERS} iterations, not {FULL_ITERS}."),
+    quick: bool = typer.Option(False, "--quick", help=f"{QUICK_ITERS} iterations, "
+                               f"not {FULL_ITERS}."),
     setup: Path = SETUP_OPT,
     trace: Path = TRACE_OPT,
     iters: int = typer.Option(None, help="Override the number of global iterations."),
@@ -50,30 +56,32 @@ def bench_halos(
 ) -> None:
     """Time-to-target-loss of the five methods in the paper's 4x4 setup (simulated)."""
     iters = iters or (QUICK_ITERS if quick else FULL_ITERS)
-    _run(title="bench halos" + (" --quick" if quick else ""), setup=setup, trace=trace,
-         pythia="pythia-70m", step_time_ms=None, iters=iters, methods=ALL_METHODS, non_iid=False,
-         local_batch=8, branching=8, seed=0, eval_points=64, json_path=json_path,
-         plot=plot or json_path.with_suffix(".png"))
+    paper, cfg = _load(setup, trace, pythia="pythia-70m", step_time_ms=None, iters=iters,
+                       eval_points=64, local_batch=8, branching=8, non_iid=False, seed=0)
+    _run("bench halos" + (" --quick" if quick else ""), paper, cfg, _methods(ALL_METHODS),
+         json_path, plot or json_path.with_suffix(".png"))
 
 
-def _run(*, title: str, setup: Path, trace: Path, pythia: str, step_time_ms: float | None,
-         iters: int, methods: str, non_iid: bool, local_batch: int, branching: int, seed: int,
-         eval_points: int, json_path: Path | None, plot: Path) -> None:
-    # Heavy imports here, not at the top: every ftsystem command imports this module.
-    import torch
+def _methods(methods: str) -> list[str]:
+    from ftsystem.halos.simulator import METHODS
 
-    from ftsystem import report
-    from ftsystem.halos import experiment
-    from ftsystem.halos.config import load_setup
-    from ftsystem.halos.simulator import METHODS, SimConfig
-    from ftsystem.halos.workload import WorkloadConfig
-
-    torch.set_num_threads(1)  # small tensors: threads cost more than they give on shared cores
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(METHODS)) or ([] if chosen else ["(none)"])
     if unknown:
         raise typer.BadParameter(f"unknown methods {unknown}; choose from {', '.join(METHODS)}",
                                  param_hint="--methods")
+    return chosen
+
+
+def _load(setup: Path, trace: Path, *, pythia: str, step_time_ms: float | None, iters: int,
+          eval_points: int, local_batch: int, branching: int, non_iid: bool,
+          seed: int) -> tuple[PaperSetup, SimConfig]:
+    """The setup and the run's configuration; a user's mistake exits with its reason."""
+    # torch and simpy only when a command runs: every ftsystem command imports this module.
+    from ftsystem.halos.config import load_setup
+    from ftsystem.halos.simulator import SimConfig
+    from ftsystem.halos.workload import WorkloadConfig
+
     try:
         paper = load_setup(setup, trace=trace, model=pythia, step_time_ms=step_time_ms)
         cfg = SimConfig(total_iters=iters, eval_points=eval_points, workload=WorkloadConfig(
@@ -81,14 +89,27 @@ def _run(*, title: str, setup: Path, trace: Path, pythia: str, step_time_ms: flo
     except (SetupError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    comp = experiment.compare(paper, cfg, chosen, progress=lambda c: typer.echo(
+    return paper, cfg
+
+
+def _run(title: str, paper: PaperSetup, cfg: SimConfig, methods: list[str],
+         json_path: Path | None, plot: Path) -> None:
+    """Compare ``methods``; print the table, write the JSON and the PNG."""
+    import torch
+
+    from ftsystem import report
+    from ftsystem.halos import experiment
+
+    torch.set_num_threads(1)  # tiny tensors: threads cost more than they give on shared cores
+    comp = experiment.compare(paper, cfg, methods, progress=lambda c: typer.echo(
         f"{c.method}: final loss {c.final_loss:.4f} after {c.time_s[-1] / 3600:.2f} virtual h "
         f"({c.wall_s:.0f} s)", err=True))
-    data = experiment.summary(comp, paper, cfg) | {"machine": report.machine()}
     report.print_table(f"{title}: virtual time to the target loss {comp.target_loss:.4f} "
                        f"({experiment.TARGET_RULE}); paper: x HALoS at the largest Pythia",
                        experiment.TABLE_COLUMNS, experiment.table_rows(comp, paper))
-    report.write_json(json_path, data)
-    experiment.plot(comp, plot, f"{title}: {cfg.total_iters} iterations, "
-                    f"{'non-IID' if non_iid else 'IID'}, target {comp.target_loss:.3f}")
+    report.write_json(json_path, experiment.summary(comp, paper, cfg)
+                      | {"machine": report.machine()})
+    iid = "non-IID" if cfg.workload.non_iid else "IID"
+    experiment.plot(comp, plot, f"{title}: {cfg.total_iters} iterations, {iid}, "
+                    f"target {comp.target_loss:.3f}")
     typer.echo(f"loss curves: {plot}" + (f"; figures: {json_path}" if json_path else ""))

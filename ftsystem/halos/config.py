@@ -16,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from ftsystem.halos.rules import DelayedNesterovConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SETUP = (REPO_ROOT / "../shared/halos_paper_setup.yaml").resolve()
@@ -25,6 +24,21 @@ DEFAULT_TRACE = (REPO_ROOT / "../shared/traces/h200_pythia_steps.json").resolve(
 
 class SetupError(ValueError):
     """The setup or trace file is missing, unreadable or lacks a well-formed entry."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DelayedNesterovConfig:
+    """Hyperparameters of the delayed Nesterov optimizer (Liu et al. 2024)."""
+
+    lr: float
+    """Step size per pseudo-gradient. The optimizer's own step is ``lr * buffer``, as in the
+    authors' scripts (the YAML's "effective lr = lr * buffer"): ``lr`` is what one update moves."""
+    beta: float
+    """Momentum decay."""
+    buffer: int = 1
+    """N: pseudo-gradients summed before they enter the momentum together."""
+    c: float = 0.0
+    """Momentum activation between momentum updates; the paper uses 0."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -187,7 +201,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except OSError as err:
-        raise SetupError(f"cannot read the trace {path}: {err.strerror}; pass --trace PATH") from None
+        raise SetupError(f"cannot read the trace {path}: {err.strerror}; "
+                         "pass --trace PATH") from None
     except json.JSONDecodeError as err:
         raise SetupError(f"{path} is not valid JSON: {err}") from None
 
@@ -218,7 +233,8 @@ def _network(doc: dict) -> Network:
     n = int(doc.get("num_regions", len(bw)))
     _require(len(bw) == n and all(len(row) == n for row in bw),
              f"network_bandwidth_gbps must be a {n} x {n} matrix (num_regions = {n})")
-    _require(all(x > 0 for row in bw for x in row), "network_bandwidth_gbps: all entries must be > 0")
+    _require(all(x > 0 for row in bw for x in row),
+             "network_bandwidth_gbps: all entries must be > 0")
     _require(len(speeds) == n, f"worker_speeds must list the workers of each of the {n} regions")
     _require(all(s > 0 for row in speeds for s in row) and any(speeds),
              "worker_speeds: every speed must be > 0 and there must be workers")
@@ -250,7 +266,8 @@ def _worker(doc: dict) -> WorkerOptimizer:
 
 def _nesterov(section: dict, beta_key: str = "beta") -> DelayedNesterovConfig:
     cfg = DelayedNesterovConfig(lr=float(section["lr"]), beta=float(section[beta_key]),
-                                buffer=int(section.get("buffer", 1)), c=float(section.get("c", 0.0)))
+                                buffer=int(section.get("buffer", 1)),
+                                c=float(section.get("c", 0.0)))
     _require(cfg.buffer >= 1 and 0 <= cfg.beta < 1 and cfg.lr > 0,
              f"bad delayed Nesterov settings {section}: need lr > 0, 0 <= beta < 1, buffer >= 1")
     return cfg
@@ -259,7 +276,8 @@ def _nesterov(section: dict, beta_key: str = "beta") -> DelayedNesterovConfig:
 def _halos(section: dict) -> HalosConfig:
     cfg = HalosConfig(local_steps=int(section["local_steps_H"]),
                       workers_per_lps=int(section["workers_per_lps"]),
-                      lps=_nesterov(section["lps"], "beta_l"), gps=_nesterov(section["gps"], "beta_g"),
+                      lps=_nesterov(section["lps"], "beta_l"),
+                      gps=_nesterov(section["gps"], "beta_g"),
                       accumulation_k=int(section["accumulation_K"]),
                       merge_alpha=float(section["merge_alpha"]))
     _require(0 <= cfg.merge_alpha <= 1, "halos.merge_alpha must lie in [0, 1]")
@@ -271,7 +289,8 @@ def _halos(section: dict) -> HalosConfig:
 def _diloco(section: dict) -> DilocoConfig:
     _require("nesterov" in str(section.get("outer", "sgd nesterov")),
              "diloco.outer: only 'sgd nesterov' is implemented")
-    outer = DelayedNesterovConfig(lr=float(section["outer_lr"]), beta=float(section["outer_momentum"]))
+    outer = DelayedNesterovConfig(lr=float(section["outer_lr"]),
+                                  beta=float(section["outer_momentum"]))
     return DilocoConfig(local_steps=int(section["local_steps_H"]), outer=outer)
 
 

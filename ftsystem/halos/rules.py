@@ -5,9 +5,9 @@ tensors in, tensors out: each call returns new tensors and a new state and never
 arguments. That makes a snapshot of a model free (keep the reference) and the rules testable by
 hand. Only the worker rule touches a ``nn.Module``, because it runs real optimizer steps.
 
-References: HALoS (Kim et al., ICML 2025), Algorithm 1; Async-Local-SGD and its delayed Nesterov
-momentum (Liu et al., 2024, "Asynchronous Local-SGD Training for Language Modeling"), Algorithm 2;
-DiLoCo (Douillard et al., 2023), Algorithm 1.
+References: HALoS (Kim et al., ICML 2025) and the authors' public simulator; Async-Local-SGD and
+its delayed Nesterov momentum (Liu et al., 2024, "Asynchronous Local-SGD Training for Language
+Modeling"); DiLoCo (Douillard et al., 2023). The setup YAML quotes the rules it relies on.
 """
 
 from __future__ import annotations
@@ -20,20 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, parameters_to_vector
 
-
-@dataclass(kw_only=True, slots=True)
-class DelayedNesterovConfig:
-    """Hyperparameters of the delayed Nesterov optimizer (Liu et al. 2024)."""
-
-    lr: float
-    """Step size per pseudo-gradient. The optimizer's own step is ``lr * buffer``, as in the
-    authors' scripts (the YAML's "effective lr = lr * buffer"), so ``lr`` is what one update moves."""
-    beta: float
-    """Momentum decay."""
-    buffer: int = 1
-    """N: pseudo-gradients summed before they enter the momentum together."""
-    c: float = 0.0
-    """Momentum activation between momentum updates; the paper uses 0."""
+from ftsystem.halos.config import DelayedNesterovConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,7 +41,7 @@ class NesterovState:
 
 def delayed_nesterov(theta: torch.Tensor, g: torch.Tensor, state: NesterovState,
                      cfg: DelayedNesterovConfig) -> tuple[torch.Tensor, NesterovState]:
-    """One update of delayed Nesterov momentum (Liu et al. 2024, Algorithm 2).
+    """One update of delayed Nesterov momentum (Liu et al. 2024; the YAML's ``delayed_nesterov``).
 
     With N = ``buffer`` and step = ``lr * N``: every N-th call ``m = beta*m + buf/N`` and
     ``theta -= step * ((1 - c*N + c)*beta*m + g/N)``; otherwise ``theta -= step*(c*beta*m + g/N)``.
@@ -101,7 +88,7 @@ def server_apply(state: ServerState, update: torch.Tensor,
 
 @dataclass(kw_only=True, slots=True)
 class LpsState:
-    """A HALoS local parameter server (HALoS, Algorithm 1, LPS side)."""
+    """A HALoS local parameter server: local momentum, K-update accumulation, merging."""
 
     server: ServerState
     """Its model and local momentum."""

@@ -119,6 +119,8 @@ class Run:
 
     def record(self, steps: int, theta: torch.Tensor) -> None:
         """The judged model absorbed ``steps`` more local steps and is now ``theta``."""
+        if self.done.triggered:  # events due at the very instant the budget was reached
+            return
         self._applied += steps
         finished = self._applied >= self.budget
         if self._applied >= self._next_eval or finished:
@@ -133,6 +135,7 @@ class Run:
         self.curve.loss.append(self.work.evaluate(theta))
 
     def execute(self, process: Callable[["Run"], Generator]) -> Curve:
+        """Run ``process`` (a method) from the initial model until the budget is absorbed."""
         start = time.perf_counter()
         self._evaluate(self.work.theta0)
         self.env.process(process(self))
@@ -151,7 +154,8 @@ def simulate(setup: PaperSetup, cfg: SimConfig, method: str) -> Curve:
 def _sync_step_s(run: Run, steps: list[int]) -> float:
     """A synchronous round: the slowest worker's compute, then a ring all-reduce of the model."""
     net, tm = run.setup.network, run.setup.time_model
-    compute = max(timemodel.compute_s(h, s, tm.local_step_time_s) for h, s in zip(steps, net.speeds))
+    compute = max(timemodel.compute_s(h, s, tm.local_step_time_s)
+                  for h, s in zip(steps, net.speeds))
     ring = timemodel.best_ring_gbps(net.bandwidth_gbps)
     return compute + timemodel.ring_allreduce_s(run.model_bytes, run.num_workers, ring)
 

@@ -28,7 +28,7 @@ EVAL_SHARD = 1_000_000  # data streams of workers are shards 0..n-1; held-out da
 
 
 def small_model() -> ModelConfig:
-    """The default model: about 13K parameters, ~2 ms per local step on one CPU core."""
+    """The default model: 17,888 parameters, 2-3 ms per local step on one CPU core."""
     return ModelConfig(vocab_size=128, seq_len=32, d_model=32, num_layers=1, num_heads=2)
 
 

@@ -1,0 +1,84 @@
+"""The controller as a real process against a real etcd: REST API, epochs, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from conftest import wait_for
+from ftsystem import keys
+from ftsystem.etcd_server import free_port
+from ftsystem.membership import Registration, ReplicaState
+from ftsystem.store import Store
+
+
+@pytest.fixture
+def controller(etcd, job_id, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
+                             etcd.url, "--job", job_id, "--port", str(port)],
+                            stdout=open(tmp_path / "controller.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _get(f"{base}/healthz"), 60, "the controller to serve")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return None
+
+
+async def _register(etcd_url: str, job: str, rids: list[str]) -> dict[str, int]:
+    leases = {}
+    async with Store(etcd_url) as store:
+        await store.put_json(keys.spec(job), {"replicas": len(rids), "min_replicas": 1})
+        for rid in rids:
+            leases[rid] = await store.grant(60)
+            reg = Registration(replica_id=rid, state=ReplicaState.READY, generation=0,
+                               store_addr="127.0.0.1:1", step=7)
+            await store.put(keys.replica(job, rid), reg.to_json(), lease=leases[rid])
+    return leases
+
+
+async def _revoke(etcd_url: str, lease: int) -> None:
+    async with Store(etcd_url) as store:
+        await store.revoke(lease)
+
+
+def test_job_view_follows_registrations(controller, etcd, job_id):
+    leases = asyncio.run(_register(etcd.url, job_id, ["a", "b", "c"]))
+    view = wait_for(lambda: (v := httpx.get(f"{controller}/v1/jobs/{job_id}").json())
+                    ["epoch"]["number"] >= 1 and v, 30, "the first epoch")
+    assert view["job"] == job_id and view["epoch"]["members"] == ["a", "b", "c"]
+    assert [(r["id"], r["state"], r["step"], r["generation"]) for r in view["replicas"]] == [
+        ("a", "ready", 7, 0), ("b", "ready", 7, 0), ("c", "ready", 7, 0)]
+    asyncio.run(_revoke(etcd.url, leases["b"]))
+    view = wait_for(lambda: (v := httpx.get(f"{controller}/v1/jobs/{job_id}").json())
+                    ["epoch"]["number"] >= 2 and v, 30, "the removal epoch")
+    assert view["epoch"]["members"] == ["a", "c"]
+    one = httpx.get(f"{controller}/v1/jobs/{job_id}/replicas/c").json()
+    assert one["id"] == "c" and one["state"] == "ready"
+    metrics = httpx.get(f"{controller}/metrics").text
+    assert f'ftsystem_epoch{{job="{job_id}"}} 2.0' in metrics
+    assert f'ftsystem_controller_is_leader{{job="{job_id}"}} 1.0' in metrics
+    assert httpx.get(f"{controller}/healthz").json()["leader"] is True
+
+
+def test_bad_requests_get_clear_errors(controller, job_id):
+    unknown_job = httpx.get(f"{controller}/v1/jobs/nope")
+    assert unknown_job.status_code == 404 and "this controller manages" in unknown_job.text
+    unknown_replica = httpx.get(f"{controller}/v1/jobs/{job_id}/replicas/zz")
+    assert unknown_replica.status_code == 404 and "lists its replicas" in unknown_replica.text
+    illegal = httpx.get(f"{controller}/v1/jobs/{job_id}/replicas/a%20b%3B")
+    assert illegal.status_code == 400 and "invalid replica id" in illegal.text

@@ -1,0 +1,97 @@
+"""ftsystem.store against a real etcd on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, etcd_binary, free_port
+from ftsystem.store import Store, StoreUnavailableError, parse_endpoints
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_put_get_and_prefix(etcd, job_id):
+    async def scenario():
+        async with Store(etcd.url) as store:
+            await store.put_json(f"/t/{job_id}/a", {"x": 1})
+            await store.put(f"/t/{job_id}/b", "plain")
+            items, revision = await store.get_prefix(f"/t/{job_id}/")
+            return items, revision, await store.get_json(f"/t/{job_id}/a"), \
+                await store.get(f"/t/{job_id}/missing")
+    items, revision, value, missing = run(scenario())
+    assert items == {f"/t/{job_id}/a": b'{"x": 1}', f"/t/{job_id}/b": b"plain"}
+    assert revision > 0 and value == {"x": 1} and missing is None
+
+
+def test_revoked_lease_removes_its_keys(etcd, job_id):
+    async def scenario():
+        async with Store(etcd.url) as store:
+            lease = await store.grant(30)
+            await store.put(f"/t/{job_id}/k", "v", lease=lease)
+            await store.revoke(lease)
+            await store.revoke(lease)  # revoking twice is not an error
+            return await store.get(f"/t/{job_id}/k")
+    assert run(scenario()) is None
+
+
+def test_put_if_absent_and_guarded_put(etcd, job_id):
+    async def scenario():
+        async with Store(etcd.url) as store:
+            key, guard = f"/t/{job_id}/leader", f"/t/{job_id}/epoch"
+            first = await store.put_if_absent(key, "me")
+            second = await store.put_if_absent(key, "you")
+            allowed = await store.put_if_equal(key, "me", guard, "1")
+            refused = await store.put_if_equal(key, "you", guard, "2")
+            return first, second, allowed, refused, await store.get(guard)
+    assert run(scenario()) == (True, False, True, False, b"1")
+
+
+def test_unreachable_etcd_names_the_endpoint():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(StoreUnavailableError, match=r"127\.0\.0\.1.*ftsystem etcd"):
+        run(Store(url, retry_deadline_s=0.5).connect())
+
+
+def test_malformed_endpoint_is_rejected():
+    with pytest.raises(ValueError, match="host:port"):
+        parse_endpoints("http://nohost")
+    assert [str(e) for e in parse_endpoints("a:1, http://b:2/")] == ["http://a:1", "http://b:2"]
+
+
+def test_watch_resumes_after_etcd_restart(tmp_path):
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd").start()
+
+    async def scenario():
+        async with Store(server.url) as writer, Store(server.url, retry_deadline_s=20) as watcher:
+            _, revision = await writer.get_prefix("/w/")
+            seen: list[tuple[str, str]] = []
+
+            async def follow():
+                async for event in watcher.watch_prefix("/w/", start_revision=revision + 1):
+                    seen.append((event.kind, event.key))
+                    if len(seen) == 2:
+                        return
+
+            task = asyncio.create_task(follow())
+            await writer.put("/w/before", "1")
+            await asyncio.sleep(0.3)
+            server.stop()
+            await asyncio.sleep(0.5)
+            server.start()
+            await writer.put("/w/after", "2")  # written while the watch was broken
+            await asyncio.wait_for(task, 20)
+            return seen
+    try:
+        assert run(scenario()) == [("PUT", "/w/before"), ("PUT", "/w/after")]
+    finally:
+        server.stop()
+
+
+def test_missing_etcd_binary_says_how_to_install(monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_ETCD_BIN", "/nonexistent/etcd")
+    with pytest.raises(EtcdNotInstalledError, match="apt-get install etcd-server"):
+        etcd_binary()
