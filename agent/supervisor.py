@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ftsystem import keys, metrics, runtime
 from ftsystem.etcd_server import free_port
-from ftsystem.faults import KillPoint, format_kill_points
+from ftsystem.faults import FaultPoint, format_fault_points
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.procs import die_with_parent, signal_group
 from ftsystem.store import Store, StoreError
@@ -52,7 +52,7 @@ class AgentConfig:
     """A rank whose heartbeat is older than this is considered hung and the replica restarted."""
     grace_s: float = 10.0
     """How long children get to exit after a forwarded SIGTERM/SIGINT."""
-    kill_at: list[KillPoint] = field(default_factory=list)
+    kill_at: list[FaultPoint] = field(default_factory=list)
     """Fault injection: kill the replica when it reaches these steps (``--kill-at``)."""
     host: str = "127.0.0.1"
     """Address other replicas use to reach this one."""
@@ -163,7 +163,7 @@ class Agent:
                 runtime.ENV_REPLICA: self.cfg.replica_id,
                 runtime.ENV_GENERATION: str(generation), runtime.ENV_LEASE: str(lease),
                 runtime.ENV_HEARTBEAT: str(heartbeat), runtime.ENV_HOST: self.cfg.host,
-                runtime.ENV_KILL_AT: format_kill_points(self.kill_at),
+                runtime.ENV_KILL_AT: format_fault_points(self.kill_at),
             }
             self.children.append(await asyncio.create_subprocess_exec(
                 *die_with_parent(self.cfg.command), env=env, start_new_session=True))

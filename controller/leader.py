@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ftsystem import keys, metrics
-from ftsystem.membership import Epoch, Policy, Registration, decide
+from ftsystem.membership import Epoch, Policy, Registration, assign_donors, decide
 from ftsystem.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ async def _wait_deleted(store: Store, key: str) -> None:
 
 async def _lead_while_leased(store: Store, cfg: LeaderConfig, lease: int) -> None:
     keep_alive = asyncio.create_task(store.keep_alive(lease, cfg.lease_ttl_s))
-    lead = asyncio.create_task(MembershipLoop(store, cfg).run())
+    lead = asyncio.create_task(MembershipLoop(store, cfg, lease).run())
     try:
         done, _ = await asyncio.wait({keep_alive, lead}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -108,9 +108,10 @@ async def _revoke_quietly(store: Store, lease: int) -> None:
 class MembershipLoop:
     """Follows registrations and publishes epochs as ``decide`` says."""
 
-    def __init__(self, store: Store, cfg: LeaderConfig) -> None:
-        self.store, self.cfg = store, cfg
+    def __init__(self, store: Store, cfg: LeaderConfig, lease: int) -> None:
+        self.store, self.cfg, self.lease = store, cfg, lease
         self.registrations: dict[str, Registration] = {}
+        self.assignments: dict[str, str | None] = {}
         self.epoch: Epoch | None = None
         self.started = time.monotonic()
 
@@ -163,8 +164,24 @@ class MembershipLoop:
         deadline_passed = time.monotonic() - self.started > self.cfg.start_timeout_s
         nxt = decide(self.epoch, self.registrations, self.policy, join_tick=join_tick,
                      start_deadline_passed=deadline_passed)
-        if nxt is None:
-            return
+        if nxt is not None:
+            await self._publish(nxt, seen)
+        await self._assign_donors()
+
+    async def _assign_donors(self) -> None:
+        wanted = assign_donors(self.epoch, self.registrations, self.assignments)
+        for joiner in set(self.assignments) - set(wanted):
+            await self.store.delete(keys.catchup(self.cfg.job, joiner))
+        for joiner, donor in wanted.items():
+            if joiner in self.assignments and self.assignments[joiner] == donor:
+                continue
+            addr = self.registrations[donor].state_addr if donor else ""
+            await self.store.put_json(keys.catchup(self.cfg.job, joiner),
+                                      {"donor": donor, "state_addr": addr}, lease=self.lease)
+            log.info("catch-up: %s <- %s", joiner, donor)
+        self.assignments = wanted
+
+    async def _publish(self, nxt: Epoch, seen: float) -> None:
         published = await self.store.put_if_equal(
             keys.leader(self.cfg.job), self.cfg.instance_id,
             keys.epoch(self.cfg.job), nxt.to_json())

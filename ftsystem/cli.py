@@ -91,12 +91,12 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     import os
     from agent.main import run_agent
     from agent.supervisor import AgentConfig
-    from ftsystem.faults import parse_kill_point
+    from ftsystem.faults import parse_fault_point
     from ftsystem.runtime import ENV_TIMEOUT
     _check_id("job", job)
     _check_id("replica", replica_id)
     try:
-        points = [parse_kill_point(p) for p in kill_at]
+        points = [parse_fault_point(p) for p in kill_at]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
     from ftsystem.store import StoreError

@@ -1,9 +1,15 @@
-"""Kill points inside a replica process, for ``--kill-at`` and the fault tests.
+"""Fault points inside a replica process, for ``--kill-at`` and the fault tests.
 
 The agent passes the points still to come in ``FTSYSTEM_KILL_AT`` (``"STEP[:PHASE],..."``);
-the replica sends itself SIGKILL when it reaches one: a real, uncatchable death at an exact
-place, which a signal from outside could only hit by chance. Phases: ``step`` (between steps,
-before the all-reduce is issued) and ``allreduce`` (the all-reduce is in flight on the peers).
+the replica acts when it reaches one. Kills are real SIGKILLs the process sends itself: an
+uncatchable death at an exact place, which a signal from outside could only hit by chance.
+
+Phases:
+- ``step``: SIGKILL between steps, before the all-reduce is issued;
+- ``allreduce``: SIGKILL while the all-reduce is in flight on the peers;
+- ``fail-allreduce``: the all-reduce completes on the peers but this replica treats it as
+  failed (a link that dropped after the data arrived): the peers commit the step, this one
+  does not, and step reconciliation at the next epoch must repair it.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ from dataclasses import dataclass
 
 from ftsystem.runtime import ENV_KILL_AT
 
-PHASES = ("step", "allreduce")
+PHASES = ("step", "allreduce", "fail-allreduce")
+
+
+class InjectedFault(Exception):
+    """A collective failure injected by a ``fail-allreduce`` fault point."""
 
 
 @dataclass(frozen=True, slots=True)
-class KillPoint:
+class FaultPoint:
     step: int
     phase: str = "step"
 
@@ -26,27 +36,33 @@ class KillPoint:
         return f"{self.step}:{self.phase}"
 
 
-def parse_kill_point(text: str) -> KillPoint:
+def parse_fault_point(text: str) -> FaultPoint:
     step, _, phase = text.strip().partition(":")
     if not step.isdigit() or (phase and phase not in PHASES):
-        raise ValueError(f"malformed kill point {text!r}: expected STEP or STEP:PHASE with "
+        raise ValueError(f"malformed fault point {text!r}: expected STEP or STEP:PHASE with "
                          f"PHASE in {', '.join(PHASES)}, e.g. 120:allreduce")
-    return KillPoint(int(step), phase or "step")
+    return FaultPoint(int(step), phase or "step")
 
 
-def format_kill_points(points: list[KillPoint]) -> str:
+def format_fault_points(points: list[FaultPoint]) -> str:
     return ",".join(map(str, points))
 
 
-class KillSchedule:
-    def __init__(self, points: list[KillPoint]) -> None:
+class FaultSchedule:
+    def __init__(self, points: list[FaultPoint]) -> None:
         self.points = set(points)
 
     @classmethod
-    def from_env(cls) -> "KillSchedule":
+    def from_env(cls) -> "FaultSchedule":
         text = os.environ.get(ENV_KILL_AT, "")
-        return cls([parse_kill_point(p) for p in text.split(",") if p.strip()])
+        return cls([parse_fault_point(p) for p in text.split(",") if p.strip()])
 
     def check(self, step: int, phase: str) -> None:
-        if KillPoint(step, phase) in self.points:
-            os.kill(os.getpid(), signal.SIGKILL)
+        """Act on the fault point at (``step``, ``phase``), if there is one."""
+        point = FaultPoint(step, phase)
+        if point not in self.points:
+            return
+        if phase == "fail-allreduce":
+            self.points.discard(point)  # once: the retry of the same step must succeed
+            raise InjectedFault(f"injected all-reduce failure at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)

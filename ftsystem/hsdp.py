@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import time
 
 import torch
@@ -30,13 +31,20 @@ import torch.distributed as dist
 from torch import nn
 
 from ftsystem import keys, metrics
-from ftsystem.faults import KillSchedule
+from ftsystem.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, Snapshotter,
+                              StateServer, UpdateLog, fetch_log, fetch_snapshot, tree_tensors)
+from ftsystem.faults import FaultSchedule, InjectedFault
 from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, plan_state_sync
 from ftsystem.membership import Epoch, Registration, ReplicaState
 from ftsystem.runtime import ControlPlane, Heartbeat, ReplicaContext
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05
+READY_LAG = 2
+"""A joiner asks to join once it is this many steps (or fewer) behind its donor."""
+ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
+ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
+"""Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
 
 
 class ReplicaEvictedError(RuntimeError):
@@ -57,17 +65,25 @@ class FTReplica:
         self.step = 0
         self.commits: list[tuple[int, float]] = []
         """(step, wall time) of every commit of this process, for stall reports."""
-        self.epochs: list[tuple[int, float, tuple[str, ...]]] = []
-        """(epoch number, wall time entered, members) of every epoch this process trained in."""
+        self.epochs: list[dict] = []
+        """Every epoch this process entered: number, reason, wall time, seconds it took."""
         self._fresh = True  # never synced: its state may differ from the job's
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
-        self.kill_schedule = KillSchedule.from_env()
+        self.faults = FaultSchedule.from_env()
         # The rendezvous store for the epochs this replica leads (it is members[0]).
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
                                          wait_for_workers=False)
         self.ftar = FaultTolerantAllReduce(self.control, self.heartbeat,
                                            timeout_s=self.ctx.timeout_s)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        # Catch-up material this replica can donate, and what it learnt catching up itself.
+        self.update_log = UpdateLog(int(os.environ.get(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES)))
+        self.snapshotter = Snapshotter(self._state, self.ctx.host, self.ctx.timeout_s)
+        self.state_server = StateServer(self.ctx.host, self.snapshotter, self.update_log,
+                                        lambda: self.step, self.ctx.timeout_s)
+        self.catchup_stats: dict = {}
+        self._donor_addr: str | None = None
         self._labels = (self.ctx.job, self.ctx.replica_id)
         self._last_commit = time.monotonic()
 
@@ -81,14 +97,29 @@ class FTReplica:
         self.close()
 
     def start(self) -> None:
-        """Register as ready and wait until an epoch takes this replica in."""
-        self.control.register(state=ReplicaState.READY, step=self.step,
-                              store_addr=f"{self.ctx.host}:{self._rendezvous.port}")
+        """Join the job: catch up from a donor while the others train, then enter an epoch.
+
+        With no running epoch to catch up with (the job is starting, or every replica died),
+        the replica registers ready at once and the epoch's state sync aligns everybody.
+        """
+        addresses = dict(store_addr=f"{self.ctx.host}:{self._rendezvous.port}",
+                         state_addr=self.state_server.address)
+        epoch = self.control.epoch
+        if epoch is not None and epoch.members and not epoch.paused:
+            self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
+            self._catch_up()
+        self.control.register(state=ReplicaState.READY, step=self.step, **addresses)
         self._enter_epoch(newer_than=0)
 
     def close(self) -> None:
         self.ftar.abort()
+        self.state_server.shutdown()
+        self.snapshotter.shutdown()
         self.control.close()
+
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "step": self.step}
 
     # --- the step --------------------------------------------------------------------------
 
@@ -99,9 +130,11 @@ class FTReplica:
         by a more advanced member's at an epoch change; the caller simply goes on with
         ``self.step``.
         """
-        self.kill_schedule.check(self.step, "step")
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.faults.check(self.step, "step")
+        # Parameters without a gradient take part with zeros: every replica must all-reduce
+        # the same layout, and the update log replays exactly what was applied.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self._params])
         while True:
             latest = self.control.epoch
             if latest.number > self.ftar.epoch.number and self._enter_epoch(
@@ -111,21 +144,31 @@ class FTReplica:
             started = time.monotonic()
             try:
                 self.ftar.allreduce_sum(
-                    buf, on_issued=lambda: self.kill_schedule.check(self.step, "allreduce"))
+                    buf, on_issued=lambda: self.faults.check(self.step, "allreduce"))
+                self.faults.check(self.step, "fail-allreduce")
                 break
             except EpochChanged:
                 continue
-            except CollectiveFailed as e:
+            except (CollectiveFailed, InjectedFault) as e:
                 self._on_failure(e)
         metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
         buf /= self.ftar.world_size
-        for grad, avg in zip(grads, buf.split([g.numel() for g in grads])):
-            grad.copy_(avg.view_as(grad))
-        self.optimizer.step()
+        self._apply_update(buf)
         self._committed()
+        self.update_log.append(self.step, buf)
+        self.snapshotter.after_commit(self.step)
         return True
 
+    def _apply_update(self, update: torch.Tensor) -> None:
+        """Set the averaged gradient and step the optimizer: committed step ``step + 1``."""
+        self.snapshotter.before_mutation()
+        for param, grad in zip(self._params, update.split([p.numel() for p in self._params])):
+            param.grad = grad.view_as(param).clone() if param.grad is None else \
+                param.grad.copy_(grad.view_as(param))
+        self.optimizer.step()
+
     def _committed(self) -> None:
+        """Count a committed step: ``self.step`` is the number of committed steps."""
         self.step += 1
         self.ftar.step = self.step
         now = time.monotonic()
@@ -142,6 +185,8 @@ class FTReplica:
         failed = self.ftar.epoch.number
         log.warning("replica %s step %d: %s", self.ctx.replica_id, self.step, error)
         self.ftar.abort()
+        # If nobody died, no epoch would come: ask the leader for one (it reconfigures all).
+        self.control.register(resync_after=failed)
         if self.control.wait_for_epoch(failed, self.ctx.timeout_s) is None:
             raise CollectiveFailed(
                 f"{error}; and no new epoch came within {self.ctx.timeout_s:.0f} s: giving up "
@@ -167,7 +212,11 @@ class FTReplica:
                     self.ftar.abort()
                     newer_than = epoch.number
                     continue
-                self.epochs.append((epoch.number, time.time(), epoch.members))
+                took = time.monotonic() - started
+                self.epochs.append({"number": epoch.number, "reason": epoch.reason,
+                                    "time": time.time(), "seconds": took,
+                                    "members": list(epoch.members)})
+                metrics.EPOCH_CHANGE.labels(*self._labels, epoch.reason).observe(took)
                 self.control.register(state=ReplicaState.MEMBER, step=self.step)
                 return replaced
         finally:
@@ -179,6 +228,7 @@ class FTReplica:
             epoch = self.control.wait_for_epoch(newer_than, WAIT_POLL_S)
             self.heartbeat.beat(self.step)
             if epoch is None:
+                self._replay_from_donor()  # a joiner stays current while it waits
                 continue
             if me in epoch.members and not epoch.paused:
                 return epoch
@@ -188,16 +238,45 @@ class FTReplica:
             newer_than = epoch.number  # paused, or a join that does not include us yet
 
     def _sync_state(self) -> bool:
-        """Compare committed steps with the other members; load the donor's state if behind."""
+        """Compare committed steps with the other members; bring the ones behind up to date.
+
+        Members behind by a few steps (an uncommitted step, a joiner that caught up) receive
+        the donor's logged updates and replay them; fresh members, or ones behind what the
+        donor's log holds, receive its whole state. Returns True if this replica's state
+        changed.
+        """
         n, rank = self.ftar.world_size, self.ftar.rank
-        info = torch.zeros(2 * n, dtype=torch.float64)
-        info[2 * rank], info[2 * rank + 1] = self.step, float(self._fresh)
+        oldest = self.update_log.oldest()
+        info = torch.zeros(3 * n, dtype=torch.float64)
+        info[3 * rank: 3 * rank + 3] = torch.tensor(
+            [self.step, float(self._fresh), -1.0 if oldest is None else oldest])
         self.ftar.allreduce_sum(info)
-        steps = [int(s) for s in info[0::2].tolist()]
-        donor, receivers = plan_state_sync(steps, [bool(f) for f in info[1::2].tolist()])
+        steps = [int(s) for s in info[0::3].tolist()]
+        fresh = [bool(f) for f in info[1::3].tolist()]
+        donor, receivers = plan_state_sync(steps, fresh)
         self._fresh = False
         if not receivers:
             return False
+        first_needed = min(steps[r] for r in receivers) + 1
+        donor_oldest = int(info[3 * donor + 2])
+        if not any(fresh[r] for r in receivers) and 0 <= donor_oldest <= first_needed:
+            self._sync_by_log(rank, donor, first_needed, steps[donor])
+        else:
+            self._sync_by_state(rank, donor)
+        return rank in receivers
+
+    def _sync_by_log(self, rank: int, donor: int, first: int, last: int) -> None:
+        """Broadcast the donor's updates for steps ``first..last``; replay the missing ones."""
+        size = sum(p.numel() for p in self._params)
+        updates = torch.zeros(last - first + 1, size, dtype=self._params[0].dtype)
+        if rank == donor:
+            for i, (_, update) in enumerate(self.update_log.since(first - 1)):
+                updates[i].copy_(update)
+        self.ftar.broadcast(updates, donor)
+        for step in range(self.step + 1, last + 1):
+            self._replay(updates[step - first])
+
+    def _sync_by_state(self, rank: int, donor: int) -> None:
         payload = self._serialize() if rank == donor else b""
         size = torch.tensor([float(len(payload))], dtype=torch.float64)
         self.ftar.allreduce_sum(size)
@@ -205,25 +284,109 @@ class FTReplica:
         if rank == donor:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.ftar.broadcast(buf, donor)
-        if rank not in receivers:
-            return False
-        self._load(buf.numpy().tobytes())
-        log.info("replica %s loaded state at step %d from %s", self.ctx.replica_id, self.step,
-                 self.ftar.epoch.members[donor])
-        return True
+        if rank != donor:
+            self._load(torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True))
+            log.info("replica %s loaded state at step %d from %s", self.ctx.replica_id,
+                     self.step, self.ftar.epoch.members[donor])
+
+    def _replay(self, update: torch.Tensor) -> None:
+        """Apply a logged update of a peer: this replica commits the same step bit for bit."""
+        self._apply_update(update)
+        self.step += 1
+        self.ftar.step = self.step
+        self.update_log.append(self.step, update.clone())
+        metrics.CATCHUP_STEPS.labels(*self._labels).inc()
 
     def _serialize(self) -> bytes:
         out = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                    "step": self.step}, out)
+        torch.save(self._state(), out)
         return out.getvalue()
 
-    def _load(self, data: bytes) -> None:
-        state = torch.load(io.BytesIO(data), weights_only=True)
+    def _load(self, state: dict) -> None:
+        self.snapshotter.before_mutation()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.step = self.ftar.step = state["step"]
         self.heartbeat.beat(self.step)
+
+    # --- catch-up (joiner side) -------------------------------------------------------------
+
+    def _catch_up(self) -> None:
+        """Load a donor's snapshot and replay its log until within ``READY_LAG`` steps.
+
+        Runs while the members train. A donor that fails mid-transfer is replaced by the one
+        the leader assigns next; with no donor at all the replica joins with a full sync.
+        """
+        started, failed = time.monotonic(), set()
+        stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
+        while True:
+            donor, addr = self._assigned_donor(avoid=failed)
+            if donor is None:
+                return
+            stats["donors"].append(donor)
+            try:
+                head = self._replay_from(addr)
+                if head is None:  # no snapshot yet, or the log moved past us
+                    step, state, nbytes = fetch_snapshot(addr, self.ctx.timeout_s)
+                    self._load(state)
+                    self._fresh = False
+                    stats.update(bytes=stats["bytes"] + nbytes, snapshot_step=step)
+                    self._sleep_beating(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
+                    head = self._replay_from(addr)
+            except DonorUnavailableError as e:
+                log.warning("replica %s: donor %s failed (%s); asking for another",
+                            self.ctx.replica_id, donor, e)
+                failed.add(donor)
+                continue
+            if head is not None and head - self.step <= READY_LAG:
+                break
+        self._donor_addr = addr
+        stats["duration_s"] = time.monotonic() - started
+        metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
+        log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
+                 self.step, donor, stats)
+
+    def _sleep_beating(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.heartbeat.beat(self.step)
+            time.sleep(min(WAIT_POLL_S, seconds))
+
+    def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
+        """Wait for the leader to name a donor (not one in ``avoid``); None: there is none."""
+        key = keys.catchup(self.ctx.job, self.ctx.replica_id)
+        while True:
+            assignment = self.control.get_json(key)
+            if assignment is not None and assignment["donor"] not in avoid:
+                return assignment["donor"], assignment["state_addr"]
+            self.heartbeat.beat(self.step)
+            time.sleep(WAIT_POLL_S)
+
+    def _replay_from(self, addr: str) -> int | None:
+        """Replay the donor's logged updates after our step; the donor's head, or None if
+        they do not reach back to our step (or we have no state from this job yet)."""
+        if self._fresh:
+            return None
+        fetched = fetch_log(addr, self.step, self.ctx.timeout_s)
+        if fetched is None:
+            return None
+        updates, head, nbytes = fetched
+        for step, update in updates:
+            if step == self.step + 1:
+                self._replay(update)
+                self.catchup_stats["steps_replayed"] += 1
+        self.catchup_stats["bytes"] += nbytes
+        metrics.CATCHUP_BYTES.labels(*self._labels).inc(nbytes)
+        return head
+
+    def _replay_from_donor(self) -> None:
+        """While waiting to be let in, keep up with the donor (best effort)."""
+        if self._donor_addr is None:
+            return
+        try:
+            self._replay_from(self._donor_addr)
+        except DonorUnavailableError:
+            self._donor_addr = None  # the epoch's state sync will bring us up to date
 
     # --- the end of the job ----------------------------------------------------------------
 
@@ -265,18 +428,7 @@ class FTReplica:
     def state_hash(self) -> str:
         """SHA-256 of the parameters and optimizer state: equal across replicas at equal steps."""
         digest = hashlib.sha256()
-        for tensor in _state_tensors(self.model.state_dict(), self.optimizer.state_dict()):
-            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        for tensor in tree_tensors([self.model.state_dict(), self.optimizer.state_dict()]):
+            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+                          .numpy().tobytes())
         return digest.hexdigest()
-
-
-def _state_tensors(*trees: object):
-    for tree in trees:
-        if isinstance(tree, torch.Tensor):
-            yield tree
-        elif isinstance(tree, dict):
-            for key in sorted(tree, key=str):
-                yield from _state_tensors(tree[key])
-        elif isinstance(tree, (list, tuple)):
-            for item in tree:
-                yield from _state_tensors(item)

@@ -58,6 +58,15 @@ def agent(job_id: str, replica_id: str) -> str:
     return agents(job_id) + check_id("replica", replica_id)
 
 
+def catchups(job_id: str) -> str:
+    """Prefix of donor assignments for catching-up replicas (leader-owned, leader's lease)."""
+    return f"{job(job_id)}/catchup/"
+
+
+def catchup(job_id: str, replica_id: str) -> str:
+    return catchups(job_id) + check_id("replica", replica_id)
+
+
 def failures(job_id: str) -> str:
     """Prefix of the failure history (no lease: kept after the job for reports)."""
     return f"{job(job_id)}/failures/"

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftsystem import ettr, keys, stall
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
-from ftsystem.faults import KillPoint, parse_kill_point
+from ftsystem.faults import FaultPoint, parse_fault_point
 from ftsystem.procs import die_with_parent
 from ftsystem.store import Store
 
@@ -32,7 +32,7 @@ class ReplicaKill:
     """``--kill-at STEP:REPLICA[:PHASE]``: REPLICA is an index (0-based) into the replicas."""
 
     replica: int
-    point: KillPoint
+    point: FaultPoint
 
 
 def parse_replica_kill(text: str, num_replicas: int) -> ReplicaKill:
@@ -45,7 +45,7 @@ def parse_replica_kill(text: str, num_replicas: int) -> ReplicaKill:
         raise ValueError(f"--kill-at {text!r}: replica {replica} does not exist "
                          f"(replicas are 0..{num_replicas - 1})")
     phase = parts[2] if len(parts) == 3 else "step"
-    return ReplicaKill(replica, parse_kill_point(f"{step}:{phase}"))
+    return ReplicaKill(replica, parse_fault_point(f"{step}:{phase}"))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -39,6 +39,11 @@ class Registration:
     """host:port of the TCPStore this replica hosts (used for rendezvous when it leads an epoch)."""
     pid: int = 0
     metrics_addr: str = ""
+    state_addr: str = ""
+    """host:port of this replica's catch-up state server (snapshots and the update log)."""
+    resync_after: int = 0
+    """Set to an epoch number when a collective failed here without a membership change:
+    asks the leader for a new epoch so that all members reconfigure and reconcile."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -103,10 +108,37 @@ def decide(current: Epoch | None, registrations: Mapping[str, Registration], pol
             if m in alive and alive[m].generation == current.generations.get(m)]
     removed = len(kept) < len(current.members)
     joiners = sorted(set(alive) - set(kept)) if (join_tick or removed) else []
-    if not removed and not joiners:
+    resync = any(alive[m].resync_after >= current.number for m in kept)
+    if not removed and not joiners and not resync:
         return None
-    reason = "removal" if removed else "join"
+    reason = "removal" if removed else "join" if joiners else "resync"
     return _make_epoch(current.number + 1, kept + joiners, alive, policy, reason, now)
+
+
+def assign_donors(epoch: Epoch | None, registrations: Mapping[str, Registration],
+                  assignments: Mapping[str, str | None]) -> dict[str, str | None]:
+    """Donor of every catching-up replica: keep a valid one, else the least-loaded member.
+
+    Donors are members of the current (unpaused) epoch, never a replica that is itself
+    catching up. None means no donor exists (the joiner then joins with a full state sync).
+    """
+    donors = [m for m in (epoch.members if epoch and not epoch.paused else ())
+              if m in registrations and registrations[m].state == ReplicaState.MEMBER]
+    joiners = sorted(rid for rid, r in registrations.items()
+                     if r.state == ReplicaState.CATCHING_UP)
+    load = {d: 0 for d in donors}
+    result: dict[str, str | None] = {}
+    for joiner in joiners:
+        if assignments.get(joiner) in load:
+            result[joiner] = assignments[joiner]
+            load[assignments[joiner]] += 1
+    for joiner in joiners:
+        if joiner not in result:
+            donor = min(donors, key=lambda d: (load[d], donors.index(d)), default=None)
+            result[joiner] = donor
+            if donor is not None:
+                load[donor] += 1
+    return result
 
 
 def _first_epoch(alive: Mapping[str, Registration], policy: Policy,

@@ -36,3 +36,15 @@ STALL = Counter("ftsystem_stall_seconds_total",
                 "Seconds spent reconfiguring or waiting for an epoch", ["job", "replica"])
 LOSS = Gauge("ftsystem_training_loss", "Last training loss", ["job", "replica"])
 SAMPLES = Counter("ftsystem_samples_total", "Training samples committed", ["job", "replica"])
+
+# --- catch-up ---
+CATCHUP_DURATION = Histogram("ftsystem_catchup_duration_seconds",
+                             "From a joiner's start of catch-up to ready", ["job", "replica"],
+                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+CATCHUP_BYTES = Counter("ftsystem_catchup_bytes_total", "Bytes a joiner fetched from donors",
+                        ["job", "replica"])
+CATCHUP_STEPS = Counter("ftsystem_catchup_steps_replayed_total",
+                        "Logged updates a replica replayed", ["job", "replica"])
+EPOCH_CHANGE = Histogram("ftsystem_epoch_change_seconds",
+                         "A member's time to enter a new epoch (reconfigure + state sync)",
+                         ["job", "replica", "reason"], buckets=_LATENCY_BUCKETS)

@@ -162,6 +162,9 @@ class ControlPlane:
             await self._store.put(keys.replica(self.ctx.job, self.ctx.replica_id),
                                   self._registration.to_json(), lease=self.ctx.lease_id)
 
+    def get_json(self, key: str) -> Any:
+        return self._bg.run(self._store.get_json(key), timeout=self.ctx.timeout_s)
+
     def job_items(self, prefix: str) -> dict[str, bytes]:
         return self._bg.run(self._store.get_prefix(prefix), timeout=self.ctx.timeout_s)[0]
 

@@ -85,7 +85,8 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
         return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,
-              "commits": ft.commits, "epochs": ft.epochs, "train_loss": loss,
+              "commits": ft.commits, "epochs": ft.epochs, "catchup": ft.catchup_stats,
+              "train_loss": loss,
               "eval_loss": eval_loss(model, language), "state_hash": ft.state_hash(),
               "num_params": num_params(model)}
     (args.out / f"{ft.ctx.replica_id}.json").write_text(json.dumps(result))

@@ -19,13 +19,13 @@ def plain(output: str) -> str:
 @pytest.mark.parametrize("args, message", [
     (["run", "--replicas", "2", "--kill-at", "5:9"], "replica 9 does not exist"),
     (["run", "--kill-at", "soon"], "expected STEP:REPLICA[:PHASE]"),
-    (["run", "--kill-at", "5:1:never"], "PHASE in step, allreduce"),
+    (["run", "--kill-at", "5:1:never"], "PHASE in step, allreduce, fail-allreduce"),
     (["run", "--replicas", "2", "--min-replicas", "3"], "--min-replicas"),
     (["run", "--job", "a/b"], "invalid job id"),
     (["agent", "--etcd", "http://127.0.0.1:1", "--job", "j", "--replica-id", "r 1", "--",
       "true"], "invalid replica id"),
     (["agent", "--etcd", "http://127.0.0.1:1", "--job", "j", "--replica-id", "r1",
-      "--kill-at", "x", "--", "true"], "malformed kill point"),
+      "--kill-at", "x", "--", "true"], "malformed fault point"),
     (["controller", "--etcd", "http://nohost", "--job", "j"], "expected host:port"),
 ])
 def test_bad_arguments(args, message):

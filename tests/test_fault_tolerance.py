@@ -21,7 +21,7 @@ import pytest
 
 from conftest import wait_for
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
-from ftsystem.faults import KillPoint
+from ftsystem.faults import FaultPoint
 from ftsystem.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.store import Store
 
@@ -43,8 +43,8 @@ def load_results(out_dir: Path) -> dict[str, dict]:
 
 def test_sigkill_between_steps_and_during_allreduce(etcd, job_id, tmp_path):
     cfg = RunConfig(num_replicas=3, num_steps=300, etcd=etcd.url, job=job_id, out_dir=tmp_path,
-                    kills=[ReplicaKill(1, KillPoint(30, "step")),
-                           ReplicaKill(2, KillPoint(90, "allreduce"))],
+                    kills=[ReplicaKill(1, FaultPoint(30, "step")),
+                           ReplicaKill(2, FaultPoint(90, "allreduce"))],
                     train_args=TRAIN_ARGS, show_progress=False)
     summary = run_job(cfg)
     assert_invariant(summary, cfg)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from ftsystem.ftar import plan_state_sync
-from ftsystem.membership import Epoch, Policy, Registration, ReplicaState, decide
+from ftsystem.membership import (Epoch, Policy, Registration, ReplicaState, assign_donors,
+                                 decide)
 
 READY, MEMBER = ReplicaState.READY, ReplicaState.MEMBER
 
@@ -123,3 +124,44 @@ def test_sync_plan_properties(members):
     # after the transfer everybody holds the donor's state
     assert all(steps[i] == steps[donor] and not fresh[i]
                for i in range(len(steps)) if i not in receivers and i != donor)
+
+
+def test_donors_are_spread_and_kept():
+    current = epoch(3, "a", "b", "c")
+    registrations = regs(reg("a"), reg("b"), reg("c"), reg("x", ReplicaState.CATCHING_UP),
+                         reg("y", ReplicaState.CATCHING_UP), reg("z", ReplicaState.CATCHING_UP))
+    assert assign_donors(current, registrations, {}) == {"x": "a", "y": "b", "z": "c"}
+    # an existing assignment stands; the others go to the least loaded
+    assert assign_donors(current, registrations, {"z": "a"}) == {"x": "b", "y": "c", "z": "a"}
+
+
+def test_no_donor_when_nobody_trains():
+    registrations = regs(reg("x", ReplicaState.CATCHING_UP))
+    assert assign_donors(None, registrations, {}) == {"x": None}
+    assert assign_donors(epoch(2, "a"), registrations, {}) == {"x": None}  # a is gone
+
+
+@given(members=st.lists(ids, unique=True, max_size=5), raw=registration_sets,
+       previous=st.dictionaries(ids, ids))
+def test_donor_assignment_properties(members, raw, previous):
+    registrations = {rid: reg(rid, state, gen) for rid, (state, gen) in raw.items()}
+    current = Epoch(number=2, members=tuple(members), generations={m: 0 for m in members})
+    result = assign_donors(current, registrations, previous)
+    joiners = {r for r, x in registrations.items() if x.state == ReplicaState.CATCHING_UP}
+    assert set(result) == joiners
+    donors = [d for d in result.values() if d is not None]
+    for d in donors:  # a donor trains in the epoch and is not catching up itself
+        assert d in members and registrations[d].state == MEMBER
+    loads = [donors.count(m) for m in members if m in registrations
+             and registrations[m].state == MEMBER]
+    kept = {j: d for j, d in previous.items() if j in result and result[j] == d}
+    if not kept and loads:
+        assert max(loads) - min(loads) <= 1  # spread evenly when starting from scratch
+
+
+def test_resync_request_reconfigures_the_same_members():
+    current = epoch(4, "a", "b")
+    asking = Registration(replica_id="b", state=MEMBER, generation=0, resync_after=4)
+    nxt = decide(current, regs(reg("a"), asking), Policy(), join_tick=False)
+    assert nxt.number == 5 and nxt.members == ("a", "b") and nxt.reason == "resync"
+    assert decide(nxt, regs(reg("a"), asking), Policy(), join_tick=True) is None

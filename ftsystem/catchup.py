@@ -1,0 +1,308 @@
+"""Non-blocking catch-up: a donor serves a snapshot and a log of committed updates.
+
+Donor side (every replica can donate):
+
+- :class:`Snapshotter` copies the model and optimizer state into host memory at a step
+  boundary without pausing training: the copy runs on a side thread between a commit and the
+  next ``optimizer.step()``, which is the only thing that mutates that state, and the training
+  thread waits for it only if it reaches the next ``optimizer.step()`` first (the CPU analogue
+  of an asynchronous device-to-host copy on a side stream, joined by an event).
+- The snapshot is served through torchft's ``HTTPTransport``.
+- :class:`UpdateLog` keeps the averaged gradient of each committed step (the exact input of
+  ``optimizer.step()``; replaying it on the snapshot reproduces the donor's state bit for bit).
+  It always keeps the last few steps (for step reconciliation at epoch entry); while a
+  catch-up session is active it keeps everything within a memory budget, dropping the oldest
+  (a joiner that needs a dropped step fetches a newer snapshot).
+- :class:`StateServer` answers ``/snapshot`` (take one, return its step and address) and
+  ``/log?after=STEP``, and reports itself at ``/status``. A session ends when nobody has
+  asked for ``FTSYSTEM_CATCHUP_IDLE_S`` (10 s): a recovering replica that died no longer
+  holds the donor's memory.
+
+Joiner side: :func:`fetch_snapshot` and :func:`fetch_log`; the replay loop is in
+``ftsystem.hsdp``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlparse
+
+import torch
+from torchft.checkpointing.http_transport import HTTPTransport
+
+log = logging.getLogger(__name__)
+
+ENV_IDLE_S = "FTSYSTEM_CATCHUP_IDLE_S"
+"""How long a donor keeps a snapshot and a growing log for a joiner that stopped asking."""
+KEEP_MIN_ENTRIES = 4
+DEFAULT_LOG_BUDGET_BYTES = 1 << 30
+
+
+class DonorUnavailableError(RuntimeError):
+    """The donor did not answer, or no longer has what the joiner needs."""
+
+
+class UpdateLog:
+    """Averaged gradients of committed steps: ``step -> flat gradient`` (the step it produced)."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_LOG_BUDGET_BYTES) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.session_active = False
+
+    def append(self, step: int, update: torch.Tensor) -> None:
+        """Record the update that produced ``step``. ``update`` must not be modified later."""
+        with self._lock:
+            self._entries[step] = update
+            self._bytes += update.numel() * update.element_size()
+            self._trim()
+
+    def end_session(self) -> None:
+        """No joiner is reading any more: keep only the last few updates."""
+        with self._lock:
+            self.session_active = False
+            self._trim()
+
+    def _trim(self) -> None:
+        limit = self.budget_bytes if self.session_active else 0
+        while len(self._entries) > KEEP_MIN_ENTRIES and self._bytes > limit:
+            _, dropped = self._entries.popitem(last=False)
+            self._bytes -= dropped.numel() * dropped.element_size()
+
+    def oldest(self) -> int | None:
+        """The oldest step that can be produced from the log, or None when it is empty."""
+        with self._lock:
+            return next(iter(self._entries), None)
+
+    def since(self, after: int) -> list[tuple[int, torch.Tensor]] | None:
+        """Updates for steps ``after+1 ..``, or None when some of them were dropped."""
+        with self._lock:
+            steps = list(self._entries)
+            if steps and after + 1 < steps[0]:
+                return None
+            return [(s, self._entries[s]) for s in steps if s > after]
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+class Snapshotter:
+    """Host copies of (model, optimizer) state taken between commits, served over HTTP."""
+
+    def __init__(self, state_fn: Callable[[], dict], host: str, timeout_s: float) -> None:
+        self._state_fn, self._host, self._timeout = state_fn, host, timedelta(seconds=timeout_s)
+        self._transport: HTTPTransport | None = None
+        self._requested = threading.Event()
+        self._ready = threading.Condition()
+        self._copying: threading.Thread | None = None
+        self.step = -1  # step of the snapshot being served, -1: none
+
+    @property
+    def address(self) -> str:
+        """Where torchft's transport serves the snapshot (our host: it names the machine's)."""
+        url = urlparse(self._transport.metadata())
+        return url._replace(netloc=f"{self._host}:{url.port}").geturl()
+
+    def request(self) -> None:
+        self._requested.set()
+
+    def after_commit(self, step: int) -> None:
+        """Called by the training thread after each commit: start a requested copy."""
+        if not self._requested.is_set() or self._copying is not None:
+            return
+        self._requested.clear()
+        state = self._state_fn()  # references; the side thread copies them
+        self._copying = threading.Thread(target=self._copy, args=(step, state), daemon=True,
+                                         name="ftsystem-snapshot")
+        self._copying.start()
+
+    def before_mutation(self) -> None:
+        """Called by the training thread before ``optimizer.step()`` or a state load."""
+        if self._copying is not None:
+            self._copying.join()
+            self._copying = None
+
+    def _copy(self, step: int, state: dict) -> None:
+        copy = _clone_tree(state)
+        if self._transport is None:
+            self._transport = HTTPTransport(self._timeout, num_chunks=0)
+        self._transport.send_checkpoint([], step, copy, self._timeout)
+        with self._ready:
+            self.step = step
+            self._ready.notify_all()
+
+    def wait_newer(self, than: int, timeout_s: float) -> int:
+        with self._ready:
+            self._ready.wait_for(lambda: self.step > than, timeout_s)
+            return self.step
+
+    def free(self) -> None:
+        """Stop serving the snapshot and release it (with the transport that holds it)."""
+        with self._ready:
+            self.step = -1
+            transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.shutdown(wait=False)
+
+    def shutdown(self) -> None:
+        self.free()
+
+
+def _clone_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone_tree(v) for v in tree)
+    return tree
+
+
+class StateServer:
+    """HTTP endpoints of a donor: ``GET /snapshot`` and ``GET /log?after=STEP``."""
+
+    def __init__(self, host: str, snapshotter: Snapshotter, update_log: UpdateLog,
+                 current_step: Callable[[], int], timeout_s: float) -> None:
+        self.snapshotter, self.update_log = snapshotter, update_log
+        self._current_step, self._timeout_s = current_step, timeout_s
+        self._last_request = 0.0
+        self._idle_s = float(os.environ.get(ENV_IDLE_S, "10"))
+        self.bytes_served = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                server._handle(self)
+
+            def log_message(self, *args: Any) -> None:
+                pass  # one line per request would flood the replica's log
+
+        self._http = ThreadingHTTPServer((host, 0), Handler)
+        self._http.daemon_threads = True
+        self.address = f"{host}:{self._http.server_address[1]}"
+        threading.Thread(target=self._http.serve_forever, daemon=True,
+                         name="ftsystem-state-server").start()
+        threading.Thread(target=self._expire_sessions, daemon=True,
+                         name="ftsystem-state-expiry").start()
+
+    def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        url = urlparse(request.path)
+        if url.path == "/status":
+            _reply(request, json.dumps(self.status()).encode())
+            return
+        self._last_request = time.monotonic()
+        self.update_log.session_active = True
+        if url.path == "/snapshot":
+            self._serve_snapshot(request)
+        elif url.path == "/log":
+            after = int(parse_qs(url.query).get("after", ["-1"])[0])
+            self._serve_log(request, after)
+        else:
+            request.send_error(404, "expected /snapshot, /log?after=STEP or /status")
+
+    def status(self) -> dict:
+        return {"snapshot_step": self.snapshotter.step, "log_oldest": self.update_log.oldest(),
+                "log_bytes": self.update_log.nbytes, "bytes_served": self.bytes_served,
+                "session_active": self.update_log.session_active}
+
+    def _serve_snapshot(self, request: BaseHTTPRequestHandler) -> None:
+        if self.snapshotter.step < 0:
+            self.snapshotter.request()
+        step = self.snapshotter.wait_newer(-1, self._timeout_s)
+        if step < 0:
+            request.send_error(503, "no snapshot within the timeout (is this replica training?)")
+            return
+        _reply(request, json.dumps({"step": step, "address": self.snapshotter.address}).encode())
+
+    def _serve_log(self, request: BaseHTTPRequestHandler, after: int) -> None:
+        entries = self.update_log.since(after)
+        if entries is None:
+            self.snapshotter.free()  # the joiner will ask for a newer one
+            request.send_error(410, f"updates after step {after} were dropped; fetch a snapshot")
+            return
+        buf = io.BytesIO()
+        torch.save({"steps": [s for s, _ in entries],
+                    "updates": [u for _, u in entries], "head": self._current_step()}, buf)
+        self.bytes_served += buf.tell()
+        _reply(request, buf.getvalue())
+
+    def _expire_sessions(self) -> None:
+        while True:
+            time.sleep(1.0)
+            idle = time.monotonic() - self._last_request
+            if self.update_log.session_active and idle > self._idle_s:
+                log.info("catch-up session idle for %.0fs: freeing snapshot and log", idle)
+                self.update_log.end_session()
+                self.snapshotter.free()
+
+    def shutdown(self) -> None:
+        self._http.shutdown()
+
+
+def _reply(request: BaseHTTPRequestHandler, body: bytes) -> None:
+    request.send_response(200)
+    request.send_header("Content-Length", str(len(body)))
+    request.end_headers()
+    request.wfile.write(body)
+
+
+def _get(url: str, timeout_s: float) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise DonorUnavailableError(f"{url}: {e}") from e
+
+
+def fetch_snapshot(donor_addr: str, timeout_s: float) -> tuple[int, dict, int]:
+    """Ask the donor for a snapshot; returns (step, state, bytes) once transferred."""
+    info = json.loads(_get(f"http://{donor_addr}/snapshot", timeout_s))
+    transport = HTTPTransport(timedelta(seconds=timeout_s), num_chunks=0)
+    try:
+        state = transport.recv_checkpoint(0, info["address"], info["step"],
+                                          timedelta(seconds=timeout_s))
+    except Exception as e:  # torchft raises whatever urllib raised
+        raise DonorUnavailableError(f"snapshot transfer from {donor_addr} failed: {e}") from e
+    finally:
+        transport.shutdown(wait=False)
+    nbytes = sum(t.numel() * t.element_size() for t in tree_tensors(state))
+    return info["step"], state, nbytes
+
+
+def fetch_log(donor_addr: str, after: int, timeout_s: float
+              ) -> tuple[list[tuple[int, torch.Tensor]], int, int] | None:
+    """Updates after ``after``, the donor's head step and the bytes moved; None if dropped."""
+    try:
+        body = _get(f"http://{donor_addr}/log?after={after}", timeout_s)
+    except DonorUnavailableError as e:
+        if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 410:
+            return None
+        raise
+    data = torch.load(io.BytesIO(body), weights_only=True)
+    return list(zip(data["steps"], data["updates"])), data["head"], len(body)
+
+
+def tree_tensors(tree: Any):
+    """Every tensor in a tree of dicts, lists and tuples, in a deterministic order."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            yield from tree_tensors(tree[key])
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from tree_tensors(item)

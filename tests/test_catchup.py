@@ -1,0 +1,144 @@
+"""Non-blocking catch-up and step reconciliation, with real processes and real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import wait_for
+from ftsystem import keys
+from ftsystem.catchup import KEEP_MIN_ENTRIES, UpdateLog
+from ftsystem.faults import FaultPoint
+from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.store import Store
+from ftsystem.workload import ModelConfig, TinyGPT, num_params
+from test_fault_tolerance import TRAIN_ARGS, assert_invariant, load_results
+
+pytestmark = pytest.mark.slow
+
+
+def test_update_log_keeps_a_window_and_a_budget():
+    entry = torch.zeros(256)  # 1 KiB
+    log = UpdateLog(budget_bytes=10 * 1024)
+    for step in range(1, 21):
+        log.append(step, entry)
+    assert log.oldest() == 17  # no session: only the last few steps
+    assert [s for s, _ in log.since(18)] == [19, 20] and log.since(15) is None
+    log.session_active = True
+    for step in range(21, 41):
+        log.append(step, entry)
+    assert log.oldest() == 31 and log.nbytes == 10 * 1024  # the budget, oldest dropped
+
+
+def _kill(cfg_kills: list[tuple[int, int, str]]) -> list[ReplicaKill]:
+    return [ReplicaKill(r, FaultPoint(step, phase)) for step, r, phase in cfg_kills]
+
+
+def test_join_while_training(etcd, job_id, tmp_path):
+    cfg = RunConfig(num_replicas=3, num_steps=300, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(40, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
+    assert_invariant(run_job(cfg), cfg)
+    r1 = load_results(tmp_path)["r1"]
+    catchup = r1["catchup"]
+    assert catchup["donors"] in (["r0"], ["r2"]) and catchup["snapshot_step"] >= 40
+    assert catchup["bytes"] > 0 and r1["commits"], "r1 did not train after catching up"
+    # the members let it in with a log-based sync, not a full-state transfer
+    join = [e for e in load_results(tmp_path)["r0"]["epochs"] if e["reason"] == "join"]
+    assert join, "no join epoch"
+
+
+def test_reconciles_a_step_committed_by_some_members_only(etcd, job_id, tmp_path):
+    cfg = RunConfig(num_replicas=3, num_steps=150, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(50, 2, "fail-allreduce")]), train_args=TRAIN_ARGS,
+                    show_progress=False)
+    summary = run_job(cfg)
+    assert_invariant(summary, cfg)
+    assert summary["failures"] == []  # nobody restarted: reconciled in place
+    results = load_results(tmp_path)
+    for rid in ("r0", "r1", "r2"):
+        assert any(e["reason"] == "resync" for e in results[rid]["epochs"])
+    # r2 did not commit step 51 itself: it replayed r0/r1's update for it
+    assert 51 not in [s for s, _ in results["r2"]["commits"]]
+    assert 51 in [s for s, _ in results["r0"]["commits"]]
+
+
+def _registration(etcd_url: str, job: str, rid: str) -> dict | None:
+    async def read():
+        async with Store(etcd_url) as store:
+            return await store.get_json(keys.replica(job, rid))
+    return asyncio.run(read())
+
+
+def _assignment(etcd_url: str, job: str, rid: str) -> dict | None:
+    async def read():
+        async with Store(etcd_url) as store:
+            return await store.get_json(keys.catchup(job, rid))
+    return asyncio.run(read())
+
+
+def _run_in_thread(cfg: RunConfig) -> tuple[threading.Thread, list[dict]]:
+    summaries: list[dict] = []
+    runner = threading.Thread(target=lambda: summaries.append(run_job(cfg)))
+    runner.start()
+    return runner, summaries
+
+
+def test_donor_killed_mid_transfer(etcd, job_id, tmp_path, monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "3")  # a slow link after the snapshot
+    cfg = RunConfig(num_replicas=3, num_steps=400, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(40, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
+    runner, summaries = _run_in_thread(cfg)
+    try:
+        reg = wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
+                       r["state"] == "catching_up" and r, 120, "r1 to catch up")
+        donor = wait_for(lambda: (a := _assignment(etcd.url, job_id, "r1")) and a["donor"],
+                         30, "a donor for r1")
+        time.sleep(1.0)  # r1 holds the donor's snapshot and waits before replaying its log
+        os.kill(_registration(etcd.url, job_id, donor)["pid"], signal.SIGKILL)
+    finally:
+        runner.join(300)
+    assert_invariant(summaries[0], cfg)
+    donors = load_results(tmp_path)["r1"]["catchup"]["donors"]
+    assert donors[0] == donor and donors[-1] not in (donor, "r1"), donors
+
+
+def test_two_replicas_recover_at_once_from_different_donors(etcd, job_id, tmp_path,
+                                                            monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "3")  # keeps both catching up together
+    cfg = RunConfig(num_replicas=4, num_steps=400, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(40, 1, "step"), (40, 2, "step")]), train_args=TRAIN_ARGS,
+                    show_progress=False)
+    assert_invariant(run_job(cfg), cfg)
+    results = load_results(tmp_path)
+    first_donors = {results[r]["catchup"]["donors"][0] for r in ("r1", "r2")}
+    assert first_donors == {"r0", "r3"}, "donor load was not spread"
+
+
+def test_a_dead_joiner_frees_the_donor(etcd, job_id, tmp_path, monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "5")
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_IDLE_S", "2")
+    cfg = RunConfig(num_replicas=2, num_steps=400, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(40, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
+    runner, summaries = _run_in_thread(cfg)
+    try:
+        wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
+                 r["state"] == "catching_up", 120, "r1 to catch up")
+        status_url = f"http://{_registration(etcd.url, job_id, 'r0')['state_addr']}/status"
+        wait_for(lambda: httpx.get(status_url).json()["snapshot_step"] >= 0, 30,
+                 "r0 to serve a snapshot")
+        os.kill(_registration(etcd.url, job_id, "r1")["pid"], signal.SIGKILL)
+        freed = wait_for(lambda: (s := httpx.get(status_url).json())["snapshot_step"] == -1
+                         and not s["session_active"] and s, 30, "r0 to free its snapshot")
+    finally:
+        runner.join(300)
+    # it keeps only the last few updates (for step reconciliation), not the session's log
+    update_bytes = 4 * num_params(TinyGPT(ModelConfig()))
+    assert 0 < freed["log_bytes"] <= KEEP_MIN_ENTRIES * update_bytes
+    assert_invariant(summaries[0], cfg)
