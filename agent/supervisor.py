@@ -23,7 +23,7 @@ from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.procs import die_with_parent, signal_group
-from ftsystem.store import Store, StoreError
+from ftsystem.store import LeaseLostError, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +75,43 @@ class Agent:
         self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
         self.children: list[asyncio.subprocess.Process] = []
+        self.generation = 0
+        self.agent_lease = 0
 
     async def run(self) -> int:
         """Supervise until the replica finishes (0), gives up (1) or is told to stop (130)."""
         await self.store.connect()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
-        agent_lease = await self.store.grant(self.cfg.lease_ttl_s)
-        keep_alive = asyncio.create_task(self.store.keep_alive(agent_lease, self.cfg.lease_ttl_s))
+        self.agent_lease = await self.store.grant(self.cfg.lease_ttl_s)
+        record = asyncio.create_task(self._hold_agent_record())
         try:
-            return await self._supervise(agent_lease)
+            return await self._supervise()
         finally:
-            keep_alive.cancel()
-            await self.store.revoke(agent_lease)
+            record.cancel()
+            await self._revoke_quietly(self.agent_lease)
             await self.store.close()
 
-    async def _supervise(self, agent_lease: int) -> int:
+    async def _hold_agent_record(self) -> None:
+        """Keep ``agents/<rid>`` alive; if an outage outlived its lease, take a new one."""
+        while True:
+            try:
+                await self.store.keep_alive(self.agent_lease, self.cfg.lease_ttl_s)
+            except LeaseLostError:
+                log.warning("agent lease lost during an etcd outage; registering again")
+                self.agent_lease = await self.store.grant(self.cfg.lease_ttl_s)
+                await self._put_agent_record()
+
+    async def _put_agent_record(self) -> None:
+        await self.store.put_json(keys.agent(self.cfg.job, self.cfg.replica_id),
+                                  {"host": self.cfg.host, "pid": os.getpid(),
+                                   "generation": self.generation}, lease=self.agent_lease)
+
+    async def _supervise(self) -> int:
         backoff = self.cfg.backoff_s
         for generation in range(self.cfg.max_restarts + 1):
-            await self.store.put_json(keys.agent(self.cfg.job, self.cfg.replica_id),
-                                      {"host": self.cfg.host, "pid": os.getpid(),
-                                       "generation": generation}, lease=agent_lease)
+            self.generation = generation
+            await self._put_agent_record()
             started = time.monotonic()
             outcome = await self._run_generation(generation)
             if outcome.success:
@@ -132,7 +148,7 @@ class Agent:
                 replica_id=self.cfg.replica_id, state=ReplicaState.STARTING,
                 generation=generation, host=self.cfg.host).to_json(), lease=lease)
             heartbeats = await self._spawn(generation, lease)
-            outcome = await self._watch_children(heartbeats)
+            outcome = await self._watch_children(heartbeats, keep_alive)
         finally:
             keep_alive.cancel()
             # Revoke first: the survivors' recovery starts when the registration disappears.
@@ -169,15 +185,18 @@ class Agent:
                 *die_with_parent(self.cfg.command), env=env, start_new_session=True))
         return heartbeats
 
-    async def _watch_children(self, heartbeats: list[Path]) -> Outcome:
+    async def _watch_children(self, heartbeats: list[Path], keep_alive: asyncio.Task) -> Outcome:
         waits = {asyncio.create_task(c.wait()): c for c in self.children}
         stop = asyncio.create_task(self.stop_requested.wait())
         watchdog = asyncio.create_task(self._watchdog(heartbeats))
         pending = set(waits)
         try:
             while pending:
-                done, _ = await asyncio.wait(pending | {stop, watchdog},
+                done, _ = await asyncio.wait(pending | {stop, watchdog, keep_alive},
                                              return_when=asyncio.FIRST_COMPLETED)
+                if keep_alive in done:  # the job has dropped this replica: restart it
+                    return Outcome(False, f"lease lost: {keep_alive.exception()}",
+                                   _last_step(heartbeats))
                 if stop in done:
                     await self._forward_stop()
                     return Outcome(False, "stopped", _last_step(heartbeats))

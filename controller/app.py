@@ -84,6 +84,10 @@ def _exit_on_crash(task: asyncio.Task) -> None:
 
 
 def _check_job(served: str, job: str) -> None:
+    try:
+        keys.check_id("job", job)
+    except keys.InvalidIdError as e:
+        raise HTTPException(400, str(e)) from e
     if job != served:
         raise HTTPException(404, f"unknown job {job!r}: this controller manages {served!r}")
 
@@ -112,7 +116,7 @@ def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
         reg = registrations.get(rid, {})
         replicas.append({
             "id": rid,
-            "state": reg.get("state", "restarting" if rid in agents else "down"),
+            "state": reg.get("state", "restarting"),  # an agent without a live replica
             "step": reg.get("step"),
             "generation": reg.get("generation", agents.get(rid, {}).get("generation")),
             "restarts": restarts.get(rid, 0),

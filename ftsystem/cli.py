@@ -39,14 +39,16 @@ def etcd(data_dir: Optional[Path] = typer.Option(None, help="data directory (def
          port: int = typer.Option(2379, help="client port")) -> None:
     """Run a single-node etcd on loopback until stopped (Ctrl-C)."""
     import signal
-    from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError
+    from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, EtcdStartError
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # delivered to sigwait below
     try:
         server = EmbeddedEtcd(data_dir=data_dir, port=port).start()
-    except (EtcdNotInstalledError, RuntimeError) as e:
+    except (EtcdNotInstalledError, EtcdStartError) as e:
         raise _fail(str(e))
     typer.echo(f"etcd serving at {server.url} (data in {server.data_dir})", err=True)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(stop_signals)
     finally:
         server.stop()
 
@@ -115,7 +117,9 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
 def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         steps: int = typer.Option(300, min=1, help="committed steps to train"),
         min_replicas: int = typer.Option(1, min=1, help="pause below this many replicas"),
-        kill_at: List[str] = typer.Option([], help="SIGKILL replica at step: STEP:REPLICA[:PHASE]"),
+        kill_at: List[str] = typer.Option(
+            [], help="inject a fault: STEP:REPLICA[:PHASE], PHASE step (SIGKILL between "
+                     "steps, default), allreduce (SIGKILL mid-all-reduce) or fail-allreduce"),
         etcd: Optional[str] = typer.Option(None, help=ETCD_HELP + "; default: embedded"),
         job: str = typer.Option("job", help="job id"),
         out: Path = typer.Option(Path("runs/latest"), help="results, logs and summary"),
@@ -140,11 +144,11 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
     cfg = RunConfig(num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
                     timeout_s=timeout, controller_ports=[port])
-    from ftsystem.etcd_server import EtcdNotInstalledError
+    from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
     from ftsystem.store import StoreError
     try:
         summary = run_job(cfg)
-    except (StoreError, EtcdNotInstalledError, ValueError) as e:
+    except (StoreError, EtcdNotInstalledError, EtcdStartError, ValueError) as e:
         raise _fail(str(e))
     print_table(f"job {job}: failures", ["replica", "at step", "reason", "survivor stall (s)"],
                 [(f["replica"], f["step"], f["reason"], f["stall_s"])
@@ -163,7 +167,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
 
 # Sub-command modules register themselves on the apps above when imported (one line each).
 # --- registrations ---
-from ftsystem.benchmarks import controller_bench, failover  # noqa: E402,F401
+from ftsystem.benchmarks import controller_bench, failover, rejoin  # noqa: E402,F401
 from ftsystem.sim import ettr_cli  # noqa: E402,F401
 from ftsystem.halos import cli as halos_cli  # noqa: E402,F401
 

@@ -11,12 +11,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftsystem.procs import die_with_parent
+
 ETCD_BIN_ENV = "FTSYSTEM_ETCD_BIN"
 DEFAULT_ETCD_BIN = "/usr/bin/etcd"
 
 
 class EtcdNotInstalledError(RuntimeError):
     pass
+
+
+class EtcdStartError(RuntimeError):
+    """etcd could not be started (port taken, bad data directory): the message says why."""
 
 
 def etcd_binary() -> str:
@@ -26,6 +32,16 @@ def etcd_binary() -> str:
             f"etcd binary not found at {candidate}: install it (Debian: `apt-get install "
             f"etcd-server`) or point {ETCD_BIN_ENV} at an etcd 3.4+ binary")
     return candidate
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as etcd does: TIME_WAIT is ok
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
@@ -54,6 +70,9 @@ class EmbeddedEtcd:
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="ftsystem-etcd-"))
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
+        if self.port and not _port_free(self.port):
+            raise EtcdStartError(f"port {self.port} is in use (another etcd?): pick another "
+                                 "with --port, or pass that etcd's URL with --etcd")
         self.port = self.port or free_port()
         peer = free_port()
         cmd = [binary, "--name", self.name, "--data-dir", str(self.data_dir),
@@ -64,7 +83,7 @@ class EmbeddedEtcd:
                "--heartbeat-interval", "25", "--election-timeout", "250",
                "--log-level", "error"]
         log_path = Path(self.data_dir) / "etcd.log"
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+        self.process = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.DEVNULL,
                                         stderr=open(log_path, "ab"))
         self._wait_ready(wait_s, log_path)
         return self
@@ -73,15 +92,15 @@ class EmbeddedEtcd:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.process.returncode}: "
-                                   f"{log_path.read_text()[-2000:]}")
+                raise EtcdStartError(f"etcd exited with {self.process.returncode}: "
+                                     f"{log_path.read_text()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"etcd did not listen on {self.url} within {wait_s:.0f} s")
+        raise EtcdStartError(f"etcd did not listen on {self.url} within {wait_s:.0f} s")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -91,9 +91,13 @@ class FaultTolerantAllReduce:
                 done.set()
 
         threading.Thread(target=rendezvous, daemon=True, name="ftar-rendezvous").start()
-        self._wait(done, epoch)
-        if errors:
-            raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {errors[0]}")
+        try:
+            self._wait(done, epoch)
+            if errors:
+                raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {errors[0]}")
+        except (EpochChanged, CollectiveFailed):
+            pg.abort(errored=False)
+            raise
         self._pg, self.epoch = pg, epoch
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
@@ -139,5 +143,5 @@ class FaultTolerantAllReduce:
             if latest is not None and latest.number > epoch.number:
                 raise EpochChanged(f"epoch {latest.number} superseded {epoch.number}")
             if time.monotonic() > deadline:
-                raise CollectiveFailed(f"no progress in epoch {epoch.number} for "
-                                       f"{self.timeout_s:.0f} s (FTSYSTEM_TIMEOUT_S)")
+                raise CollectiveFailed(f"not done within {self.timeout_s:.0f} s in epoch "
+                                       f"{epoch.number} (FTSYSTEM_TIMEOUT_S)")

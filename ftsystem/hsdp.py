@@ -43,6 +43,9 @@ WAIT_POLL_S = 0.05
 READY_LAG = 2
 """A joiner asks to join once it is this many steps (or fewer) behind its donor."""
 ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
+ENV_CATCHUP_MODE = "FTSYSTEM_CATCHUP"
+"""``nonblocking`` (default): catch up from a donor while the others train; ``blocking``:
+join at once and receive the whole state in the epoch's sync (the members wait for it)."""
 ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
 
@@ -62,6 +65,7 @@ class FTReplica:
                 "replicas of several ranks (FSDP inside a replica) are not built yet; "
                 "run with --nproc-per-replica 1")
         self.model, self.optimizer = model, optimizer
+        self.started = time.time()
         self.step = 0
         self.commits: list[tuple[int, float]] = []
         """(step, wall time) of every commit of this process, for stall reports."""
@@ -103,9 +107,11 @@ class FTReplica:
         the replica registers ready at once and the epoch's state sync aligns everybody.
         """
         addresses = dict(store_addr=f"{self.ctx.host}:{self._rendezvous.port}",
-                         state_addr=self.state_server.address)
+                         state_addr=self.state_server.address,
+                         metrics_addr=metrics.serve(self.ctx.host))
         epoch = self.control.epoch
-        if epoch is not None and epoch.members and not epoch.paused:
+        blocking = os.environ.get(ENV_CATCHUP_MODE, "nonblocking") == "blocking"
+        if epoch is not None and epoch.members and not epoch.paused and not blocking:
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             self._catch_up()
         self.control.register(state=ReplicaState.READY, step=self.step, **addresses)
@@ -123,12 +129,12 @@ class FTReplica:
 
     # --- the step --------------------------------------------------------------------------
 
-    def commit(self) -> bool:
+    def commit(self, *, loss: float | None = None, samples: int = 0) -> bool:
         """Average the gradients over the epoch's members and step the optimizer.
 
         Returns False when the gradients were dropped because this replica's state was replaced
         by a more advanced member's at an epoch change; the caller simply goes on with
-        ``self.step``.
+        ``self.step``. ``loss`` and ``samples`` of the step only feed the metrics.
         """
         self.faults.check(self.step, "step")
         # Parameters without a gradient take part with zeros: every replica must all-reduce
@@ -150,12 +156,15 @@ class FTReplica:
             except EpochChanged:
                 continue
             except (CollectiveFailed, InjectedFault) as e:
-                self._on_failure(e)
+                self._await_repair(self.ftar.epoch.number, e)
         metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
         buf /= self.ftar.world_size
         self._apply_update(buf)
         self._committed()
         self.update_log.append(self.step, buf)
+        metrics.SAMPLES.labels(*self._labels).inc(samples)
+        if loss is not None:
+            metrics.LOSS.labels(*self._labels).set(loss)
         self.snapshotter.after_commit(self.step)
         return True
 
@@ -179,10 +188,10 @@ class FTReplica:
         self.heartbeat.beat(self.step)
         self.control.report(step=self.step)
 
-    def _on_failure(self, error: Exception) -> None:
-        """A peer failed mid-collective: wait (bounded) for the epoch that removes it."""
+    def _await_repair(self, failed: int, error: Exception) -> None:
+        """After a failure in epoch ``failed``: a peer died (its removal epoch is coming) or
+        nobody did (then ask the leader for a new epoch); give up after the timeout."""
         metrics.FTAR_FAILURES.labels(*self._labels).inc()
-        failed = self.ftar.epoch.number
         log.warning("replica %s step %d: %s", self.ctx.replica_id, self.step, error)
         self.ftar.abort()
         # If nobody died, no epoch would come: ask the leader for one (it reconfigures all).
@@ -206,10 +215,12 @@ class FTReplica:
                 try:
                     self.ftar.configure(epoch)
                     replaced = self._sync_state()
-                except (EpochChanged, CollectiveFailed) as e:
-                    log.info("replica %s: epoch %d not entered: %s", self.ctx.replica_id,
-                             epoch.number, e)
+                except EpochChanged:
                     self.ftar.abort()
+                    newer_than = epoch.number
+                    continue
+                except CollectiveFailed as e:
+                    self._await_repair(epoch.number, e)
                     newer_than = epoch.number
                     continue
                 took = time.monotonic() - started
@@ -331,6 +342,7 @@ class FTReplica:
                     self._load(state)
                     self._fresh = False
                     stats.update(bytes=stats["bytes"] + nbytes, snapshot_step=step)
+                    metrics.CATCHUP_BYTES.labels(*self._labels).inc(nbytes)
                     self._sleep_beating(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
                     head = self._replay_from(addr)
             except DonorUnavailableError as e:
@@ -353,14 +365,20 @@ class FTReplica:
             time.sleep(min(WAIT_POLL_S, seconds))
 
     def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
-        """Wait for the leader to name a donor (not one in ``avoid``); None: there is none."""
+        """Wait for the leader to name a donor (not one in ``avoid``); None: there is none.
+
+        A failed donor that stays a member keeps its assignment; after the timeout the replica
+        stops waiting for another and joins with a full state sync instead.
+        """
         key = keys.catchup(self.ctx.job, self.ctx.replica_id)
-        while True:
+        deadline = time.monotonic() + self.ctx.timeout_s
+        while not avoid or time.monotonic() < deadline:
             assignment = self.control.get_json(key)
             if assignment is not None and assignment["donor"] not in avoid:
                 return assignment["donor"], assignment["state_addr"]
             self.heartbeat.beat(self.step)
             time.sleep(WAIT_POLL_S)
+        return None, ""
 
     def _replay_from(self, addr: str) -> int | None:
         """Replay the donor's logged updates after our step; the donor's head, or None if

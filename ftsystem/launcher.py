@@ -24,7 +24,7 @@ from ftsystem import ettr, keys, stall
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
 from ftsystem.faults import FaultPoint, parse_fault_point
 from ftsystem.procs import die_with_parent
-from ftsystem.store import Store
+from ftsystem.store import Store, StoreError
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ def run_job(cfg: RunConfig) -> dict:
             for i, port in enumerate(ports):
                 procs.start(f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
                                                    cfg.job, "--port", str(port)))
-            agents = [procs.start(f"agent-{replica_id(i)}", _agent_cmd(cfg, etcd, i))
+            agents = [procs.start(f"agent-{replica_id(i)}", agent_command(cfg, etcd, i))
                       for i in range(cfg.num_replicas)]
             started = time.time()
             _wait_with_progress(cfg, etcd, agents)
@@ -140,7 +140,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ftsystem.cli", *args]
 
 
-def _agent_cmd(cfg: RunConfig, etcd: str, index: int) -> list[str]:
+def agent_command(cfg: RunConfig, etcd: str, index: int) -> list[str]:
+    """The ``ftsystem agent`` command line of replica ``index`` training ``ftsystem.train``."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
     train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
              "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args]
@@ -164,7 +165,10 @@ def _wait_with_progress(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen
     with Progress(*columns, disable=not cfg.show_progress) as progress:
         task = progress.add_task(cfg.job, total=cfg.num_steps, info="")
         while any(a.poll() is None for a in agents):
-            view = asyncio.run(_peek(etcd, cfg.job))
+            try:
+                view = asyncio.run(_peek(etcd, cfg.job))
+            except StoreError as e:  # the job rides out etcd outages; so does its progress bar
+                view = {"step": 0, "info": f"etcd unreachable: {e}"}
             progress.update(task, completed=max(view["step"], progress.tasks[0].completed),
                             info=view["info"])
             time.sleep(0.5)
@@ -210,7 +214,8 @@ def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
         "agents_ok": all(code == 0 for code in agent_exit_codes),
         "failures": failures,
         "stall_s": stall.distribution(stalls),
-        "step_time_s": stall.distribution([stall.normal_step_time(t) for t in timelines.values()]),
+        "step_time_s": stall.distribution([stall.normal_step_time(t) for t in timelines.values()
+                                           if len(t) > 1]),
         "eval_loss": sorted({r["eval_loss"] for r in results.values()}),
         "train_loss": {rid: r["train_loss"] for rid, r in results.items()},
         "bitwise_identical": len(hashes) == 1 and len(steps) == 1 and bool(results),

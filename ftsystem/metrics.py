@@ -5,7 +5,7 @@ Each process exposes the metrics it updates; the others stay at zero.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -48,3 +48,9 @@ CATCHUP_STEPS = Counter("ftsystem_catchup_steps_replayed_total",
 EPOCH_CHANGE = Histogram("ftsystem_epoch_change_seconds",
                          "A member's time to enter a new epoch (reconfigure + state sync)",
                          ["job", "replica", "reason"], buckets=_LATENCY_BUCKETS)
+
+
+def serve(host: str) -> str:
+    """Expose this process's metrics on a free port; returns ``host:port`` to advertise."""
+    server, _ = start_http_server(0, addr=host)
+    return f"{host}:{server.server_port}"

@@ -111,14 +111,16 @@ class ControlPlane:
         self._pending_report: Future | None = None
         self._write_lock: asyncio.Lock | None = None  # created on the background loop
         self._bg.run(self._store.connect())
-        self._watcher = self._bg.submit(self._follow_epochs())
+        # The first read of the epoch happens before the constructor returns: callers decide
+        # on it (catch up, or join a starting job).
+        items, revision = self._bg.run(self._store.get_prefix(keys.epoch(ctx.job)))
+        if keys.epoch(ctx.job) in items:
+            self._set_epoch(Epoch.from_json(items[keys.epoch(ctx.job)]))
+        self._watcher = self._bg.submit(self._follow_epochs(revision + 1))
 
-    async def _follow_epochs(self) -> None:
+    async def _follow_epochs(self, start_revision: int) -> None:
         key = keys.epoch(self.ctx.job)
-        items, revision = await self._store.get_prefix(key)
-        if key in items:
-            self._set_epoch(Epoch.from_json(items[key]))
-        async for event in self._store.watch_prefix(key, start_revision=revision + 1):
+        async for event in self._store.watch_prefix(key, start_revision=start_revision):
             if event.key == key and event.kind == "PUT":
                 self._set_epoch(Epoch.from_json(event.value))
 

@@ -37,6 +37,15 @@ def survivor_stall(timeline: Timeline, failure_time: float, *, window: int = 3) 
     return max(0.0, longest - normal_step_time(timeline))
 
 
+def window_stall(timeline: Timeline, start: float, end: float) -> float | None:
+    """Longest gap overlapping ``[start, end]`` minus the normal step time (None: no gap)."""
+    times = [t for _, t in timeline]
+    overlapping = [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
+    if not overlapping:
+        return None
+    return max(0.0, max(overlapping) - normal_step_time(timeline))
+
+
 def failure_stall(timelines: Mapping[str, Timeline], failure_time: float,
                   failed: Iterable[str], *, window: int = 3) -> float | None:
     """The worst survivor stall for a failure of the replicas in ``failed``."""

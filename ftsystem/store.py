@@ -210,7 +210,12 @@ class Store:
         return lease.id
 
     async def refresh(self, lease_id: int) -> None:
-        reply = await self._retry(lambda: self._ensure_client().refresh_lease(lease_id))
+        try:
+            reply = await self._retry(lambda: self._ensure_client().refresh_lease(lease_id))
+        except StoreError as e:
+            if isinstance(e, StoreUnavailableError) or "not found" not in str(e):
+                raise
+            reply = None
         if reply is None or reply.TTL <= 0:
             raise LeaseLostError(f"lease {lease_id:x} expired or was revoked")
 
@@ -224,11 +229,16 @@ class Store:
     async def keep_alive(self, lease_id: int, ttl_s: int) -> None:
         """Refresh ``lease_id`` every third of its TTL until cancelled.
 
-        Raises :class:`LeaseLostError` when the lease is gone (it expired during an outage).
+        An outage longer than the retry deadline does not end it: it keeps trying, because the
+        lease may survive (etcd extends leases across a leader change). Raises
+        :class:`LeaseLostError` once etcd answers that the lease is gone.
         """
         while True:
             await asyncio.sleep(ttl_s / 3)
-            await self.refresh(lease_id)
+            try:
+                await self.refresh(lease_id)
+            except StoreUnavailableError as e:
+                log.warning("lease %x not refreshed: %s; still trying", lease_id, e)
 
     # --- watches ---------------------------------------------------------------------------
 
@@ -251,7 +261,15 @@ class Store:
                 log.info("watch of %s interrupted (%s); resuming from revision %d",
                          prefix, e, next_revision)
                 await self._rotate()
-                await self._retry(self._status)
+                await self._wait_reachable()
+
+    async def _wait_reachable(self) -> None:
+        """A watch outlives any outage: wait for etcd however long it takes."""
+        while True:
+            try:
+                return await self._retry(self._status)
+            except StoreUnavailableError as e:
+                log.warning("%s; still waiting", e)
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
-          language: MarkovLanguage, args: argparse.Namespace) -> float:
-    loss = float("nan")
+          language: MarkovLanguage, args: argparse.Namespace) -> float | None:
+    loss = None  # a replica that joins at the last step commits nothing itself
     while ft.step < args.steps:
         batch = language.batch(shard=args.data_shard, step=ft.step,
                                batch_size=args.batch_size, seq_len=model.cfg.seq_len)
@@ -68,7 +68,7 @@ def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
         step_loss.backward()
         if args.sleep_per_step:
             time.sleep(args.sleep_per_step)
-        if ft.commit():
+        if ft.commit(loss=step_loss.item(), samples=args.batch_size):
             loss = step_loss.item()
     return loss
 
@@ -80,11 +80,12 @@ def eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:
 
 
 def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
-                 args: argparse.Namespace, loss: float) -> None:
+                 args: argparse.Namespace, loss: float | None) -> None:
     if args.out is None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,
+              "started": ft.started,
               "commits": ft.commits, "epochs": ft.epochs, "catchup": ft.catchup_stats,
               "train_loss": loss,
               "eval_loss": eval_loss(model, language), "state_hash": ft.state_hash(),

@@ -108,7 +108,9 @@ def _max_step(port: int, job: str) -> int:
     return max((r["step"] or 0 for r in view["replicas"]), default=0)
 
 
-def test_etcd_restart_mid_training_loses_nothing(tmp_path, job_id):
+def test_etcd_restart_mid_training_loses_nothing(tmp_path, job_id, monkeypatch):
+    """An outage longer than the clients' retry deadline: everybody waits it out."""
+    monkeypatch.setenv("FTSYSTEM_ETCD_RETRY_S", "2")
     server = EmbeddedEtcd(data_dir=tmp_path / "etcd").start()
     cfg = RunConfig(num_replicas=2, num_steps=200, etcd=server.url, job=job_id,
                     out_dir=tmp_path / "run", train_args=TRAIN_ARGS, show_progress=False)
@@ -118,7 +120,7 @@ def test_etcd_restart_mid_training_loses_nothing(tmp_path, job_id):
         runner.start()
         wait_for(lambda: _max_registered_step(server) >= 40, 120, "training underway")
         server.stop()
-        time.sleep(2.0)
+        time.sleep(4.0)
         server.start()
         runner.join(300)
     finally:

@@ -95,3 +95,30 @@ def test_missing_etcd_binary_says_how_to_install(monkeypatch):
     monkeypatch.setenv("FTSYSTEM_ETCD_BIN", "/nonexistent/etcd")
     with pytest.raises(EtcdNotInstalledError, match="apt-get install etcd-server"):
         etcd_binary()
+
+
+def test_ftsystem_etcd_stops_cleanly_and_refuses_a_taken_port(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import wait_for
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "ftsystem.cli", "etcd", "--port", str(port)]
+    first = subprocess.Popen(cmd + ["--data-dir", str(tmp_path / "a")], stderr=subprocess.PIPE)
+
+    def serving() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    try:
+        wait_for(serving, 30, "etcd to serve")
+        second = subprocess.run(cmd + ["--data-dir", str(tmp_path / "b")], capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode == 2 and "is in use" in second.stderr
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+        wait_for(lambda: not serving(), 10, "etcd to stop with ftsystem etcd")
+    finally:
+        first.kill()
