@@ -23,7 +23,7 @@ from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.procs import die_with_parent, signal_group
-from ftsystem.store import LeaseLostError, Store, StoreError
+from ftsystem.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -76,42 +76,32 @@ class Agent:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
         self.children: list[asyncio.subprocess.Process] = []
         self.generation = 0
-        self.agent_lease = 0
+        self.record = HeldKey(self.store, keys.agent(cfg.job, cfg.replica_id), cfg.lease_ttl_s)
+        self.metrics_addr = metrics.serve(cfg.host)
 
     async def run(self) -> int:
         """Supervise until the replica finishes (0), gives up (1) or is told to stop (130)."""
         await self.store.connect()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
-        self.agent_lease = await self.store.grant(self.cfg.lease_ttl_s)
-        record = asyncio.create_task(self._hold_agent_record())
+        await self.record.set(self._record_value())
+        holder = asyncio.create_task(self.record.hold())
         try:
             return await self._supervise()
         finally:
-            record.cancel()
-            await self._revoke_quietly(self.agent_lease)
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
             await self.store.close()
 
-    async def _hold_agent_record(self) -> None:
-        """Keep ``agents/<rid>`` alive; if an outage outlived its lease, take a new one."""
-        while True:
-            try:
-                await self.store.keep_alive(self.agent_lease, self.cfg.lease_ttl_s)
-            except LeaseLostError:
-                log.warning("agent lease lost during an etcd outage; registering again")
-                self.agent_lease = await self.store.grant(self.cfg.lease_ttl_s)
-                await self._put_agent_record()
-
-    async def _put_agent_record(self) -> None:
-        await self.store.put_json(keys.agent(self.cfg.job, self.cfg.replica_id),
-                                  {"host": self.cfg.host, "pid": os.getpid(),
-                                   "generation": self.generation}, lease=self.agent_lease)
+    def _record_value(self) -> dict:
+        return {"host": self.cfg.host, "pid": os.getpid(), "generation": self.generation,
+                "metrics_addr": self.metrics_addr}
 
     async def _supervise(self) -> int:
         backoff = self.cfg.backoff_s
         for generation in range(self.cfg.max_restarts + 1):
             self.generation = generation
-            await self._put_agent_record()
+            await self.record.set(self._record_value())
             started = time.monotonic()
             outcome = await self._run_generation(generation)
             if outcome.success:

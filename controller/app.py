@@ -15,26 +15,29 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controller.leader import LeaderConfig, run_elections
 from ftsystem import keys, metrics
 from ftsystem.membership import ReplicaState
-from ftsystem.store import Store, StoreError
+from ftsystem.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
 
 
-def create_app(store: Store, cfg: LeaderConfig, *, elect: bool = True) -> FastAPI:
+def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
     is_leader = asyncio.Event()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await store.connect()
-        task = asyncio.create_task(run_elections(store, cfg, is_leader)) if elect else None
-        if task is not None:
-            task.add_done_callback(_exit_on_crash)
+        tasks = [asyncio.create_task(run_elections(store, cfg, is_leader))]
+        tasks[0].add_done_callback(_exit_on_crash)
+        if cfg.address:
+            record = HeldKey(store, keys.controller(cfg.job, cfg.instance_id), cfg.lease_ttl_s)
+            await record.set({"addr": cfg.address})
+            tasks.append(asyncio.create_task(record.hold()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await store.close()
 
     app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan)
@@ -62,6 +65,12 @@ def create_app(store: Store, cfg: LeaderConfig, *, elect: bool = True) -> FastAP
                 return replica
         raise HTTPException(404, f"replica {replica_id!r} is not part of job {job!r}; "
                                  f"GET /v1/jobs/{job} lists its replicas")
+
+    @app.get("/v1/sd/prometheus")
+    async def prometheus_service_discovery() -> list[dict]:
+        """Prometheus HTTP service discovery: every metrics endpoint of the job."""
+        items, _ = await store.get_prefix(keys.job(cfg.job) + "/")
+        return discovery_targets(cfg.job, items)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -126,6 +135,20 @@ def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
             "leader": leader.decode() if leader else None,
             "epoch": epoch or {"number": 0, "members": []},
             "replicas": replicas}
+
+
+def discovery_targets(job: str, items: dict[str, bytes]) -> list[dict]:
+    """Pure: one target group per process that serves metrics (Prometheus HTTP SD format)."""
+    groups = []
+    for prefix, component, field in ((keys.controllers(job), "controller", "addr"),
+                                     (keys.agents(job), "agent", "metrics_addr"),
+                                     (keys.replicas(job), "replica", "metrics_addr")):
+        for key, value in sorted(items.items()):
+            addr = json.loads(value).get(field) if key.startswith(prefix) else None
+            if addr:
+                groups.append({"targets": [addr], "labels": {
+                    "job": job, "component": component, "instance_id": key[len(prefix):]}})
+    return groups
 
 
 async def _refresh_gauges(store: Store, job: str) -> None:

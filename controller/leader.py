@@ -34,6 +34,8 @@ class LeaderConfig:
     """The first epoch waits this long for the spec's number of replicas."""
     min_replicas: int = 1
     """Used when the job has no spec in etcd."""
+    address: str = ""
+    """host:port this instance serves at, published for discovery (empty: not published)."""
 
 
 async def read_policy(store: Store, cfg: LeaderConfig) -> Policy:

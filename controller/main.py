@@ -17,7 +17,7 @@ from ftsystem.store import Store
 def serve(*, etcd: str, job: str, port: int, host: str = "127.0.0.1",
           instance_id: str | None = None, min_replicas: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(message)s")
-    cfg = LeaderConfig(job=job, min_replicas=min_replicas,
+    cfg = LeaderConfig(job=job, min_replicas=min_replicas, address=f"{host}:{port}",
                        instance_id=instance_id or f"{socket.gethostname()}-{os.getpid()}-{port}")
     asyncio.run(_check_reachable(etcd))  # fail fast, with the store's message
     app = create_app(Store(etcd), cfg)

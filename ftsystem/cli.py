@@ -65,6 +65,8 @@ def controller(etcd: str = typer.Option(..., help=ETCD_HELP),
     from controller.main import serve
     from ftsystem.store import parse_endpoints
     _check_id("job", job)
+    if instance_id is not None:
+        _check_id("controller instance", instance_id)
     try:
         parse_endpoints(etcd)
     except ValueError as e:

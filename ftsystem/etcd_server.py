@@ -7,11 +7,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftsystem.procs import die_with_parent
+from ftsystem.procs import die_with_parent, wait_listening
 
 ETCD_BIN_ENV = "FTSYSTEM_ETCD_BIN"
 DEFAULT_ETCD_BIN = "/usr/bin/etcd"
@@ -89,18 +88,10 @@ class EmbeddedEtcd:
         return self
 
     def _wait_ready(self, wait_s: float, log_path: Path) -> None:
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EtcdStartError(f"etcd exited with {self.process.returncode}: "
-                                     f"{log_path.read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise EtcdStartError(f"etcd did not listen on {self.url} within {wait_s:.0f} s")
+        problem = wait_listening("127.0.0.1", self.port, self.process, wait_s)
+        if problem is not None:
+            self.stop()
+            raise EtcdStartError(f"etcd {problem}: {log_path.read_text()[-2000:]}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -40,6 +40,15 @@ def epoch(job_id: str) -> str:
     return f"{job(job_id)}/epoch"
 
 
+def controllers(job_id: str) -> str:
+    """Prefix of controller instances (address for discovery), each on its own lease."""
+    return f"{job(job_id)}/controllers/"
+
+
+def controller(job_id: str, instance_id: str) -> str:
+    return controllers(job_id) + check_id("controller instance", instance_id)
+
+
 def replicas(job_id: str) -> str:
     """Prefix of replica registrations, each bound to its replica's lease."""
     return f"{job(job_id)}/replicas/"

@@ -272,5 +272,40 @@ class Store:
                 log.warning("%s; still waiting", e)
 
 
+class HeldKey:
+    """A JSON key kept alive on its own lease while its owner runs (``agents/<rid>``,
+    ``controllers/<id>``); if an outage outlived the lease, it is written again on a new one."""
+
+    def __init__(self, store: Store, key: str, ttl_s: int) -> None:
+        self.store, self.key, self.ttl_s = store, key, ttl_s
+        self.value: Any = None
+        self.lease = 0
+
+    async def set(self, value: Any) -> None:
+        self.value = value
+        if self.lease:
+            await self.store.put_json(self.key, value, lease=self.lease)
+
+    async def hold(self) -> None:
+        """Run until cancelled; then the key is deleted with its lease."""
+        try:
+            while True:
+                self.lease = await self.store.grant(self.ttl_s)
+                await self.store.put_json(self.key, self.value, lease=self.lease)
+                try:
+                    await self.store.keep_alive(self.lease, self.ttl_s)
+                except LeaseLostError:
+                    log.warning("%s: lease lost during an etcd outage; writing it again", self.key)
+        finally:
+            if self.lease:
+                await asyncio.shield(self._release())
+
+    async def _release(self) -> None:
+        try:
+            await self.store.revoke(self.lease)
+        except StoreError:
+            pass  # it expires by itself
+
+
 def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else value

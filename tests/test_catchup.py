@@ -96,7 +96,7 @@ def test_donor_killed_mid_transfer(etcd, job_id, tmp_path, monkeypatch):
                     kills=_kill([(40, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
     runner, summaries = _run_in_thread(cfg)
     try:
-        reg = wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
+        wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
                        r["state"] == "catching_up" and r, 120, "r1 to catch up")
         donor = wait_for(lambda: (a := _assignment(etcd.url, job_id, "r1")) and a["donor"],
                          30, "a donor for r1")

@@ -46,7 +46,7 @@ async def _register(etcd_url: str, job: str, rids: list[str]) -> dict[str, int]:
         for rid in rids:
             leases[rid] = await store.grant(60)
             reg = Registration(replica_id=rid, state=ReplicaState.READY, generation=0,
-                               store_addr="127.0.0.1:1", step=7)
+                               store_addr="127.0.0.1:1", step=7, metrics_addr=f"127.0.0.1:9{rid}")
             await store.put(keys.replica(job, rid), reg.to_json(), lease=leases[rid])
     return leases
 
@@ -73,6 +73,11 @@ def test_job_view_follows_registrations(controller, etcd, job_id):
     assert f'ftsystem_epoch{{job="{job_id}"}} 2.0' in metrics
     assert f'ftsystem_controller_is_leader{{job="{job_id}"}} 1.0' in metrics
     assert httpx.get(f"{controller}/healthz").json()["leader"] is True
+    groups = httpx.get(f"{controller}/v1/sd/prometheus").json()
+    targets = {(g["labels"]["component"], g["labels"]["instance_id"]): g["targets"] for g in groups}
+    assert targets[("replica", "a")] == ["127.0.0.1:9a"] and ("replica", "b") not in targets
+    assert [c for c, _ in targets].count("controller") == 1
+    assert all(g["labels"]["job"] == job_id for g in groups)
 
 
 def test_bad_requests_get_clear_errors(controller, job_id):

@@ -163,3 +163,33 @@ def test_agent_leaves_no_orphans(etcd, job_id, tmp_path, sig):
         agent.kill()
     if sig == signal.SIGTERM:
         assert agent.returncode == 130
+
+
+def _descendants(pid: int) -> set[int]:
+    children = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        children |= {int(c) for c in text}
+    for child in set(children):
+        try:
+            children |= _descendants(child)
+        except FileNotFoundError:
+            pass
+    return children
+
+
+def test_ctrl_c_on_run_leaves_no_process_behind(tmp_path):
+    run = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "run", "--replicas", "2",
+                            "--steps", "100000", "--out", str(tmp_path), "--sleep-per-step",
+                            "0.05"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # etcd, a controller, 2 agents and their 2 replicas (each behind its setpriv exec)
+        tree = wait_for(lambda: len(d := _descendants(run.pid)) >= 6 and
+                        (tmp_path / "results").exists() and d, 120, "the job to start")
+        time.sleep(5)  # let the replicas get into training
+        tree |= _descendants(run.pid)
+        run.send_signal(signal.SIGINT)
+        run.wait(60)
+        wait_for(lambda: not [p for p in tree if _pid_alive(p)], 30, "every process to exit")
+    finally:
+        run.kill()

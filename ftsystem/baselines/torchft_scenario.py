@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import ftsystem
 from ftsystem.baselines import torchft_replica
 from ftsystem.baselines.torchft_replica import progress_path
+from ftsystem.procs import kill_and_reap, wait_listening
 
 # How long the lighthouse keeps counting a silent replica as alive. After a SIGKILL the
 # survivors' next quorum waits for this expiry whenever the join timeout cannot cut it short
@@ -78,30 +78,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
         sock.bind(("::", 0))
         return sock.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Wait until something accepts connections on ``port``, or fail if ``proc`` exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}")
-        try:
-            socket.create_connection(("localhost", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(POLL_S)
-    raise TimeoutError(f"torchft_lighthouse did not listen on port {port} in {timeout_s} s")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s whole session (it leads one) and reap it."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def _read_progress(path: Path) -> list[tuple[int, float]]:
@@ -197,7 +173,9 @@ class _Cluster:
         with (self.workdir / "lighthouse.log").open("wb") as log:
             self.lighthouse = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)
-        _wait_for_port(port, self.lighthouse, timeout_s=30)
+        problem = wait_listening("localhost", port, self.lighthouse, timeout_s=30)
+        if problem is not None:
+            raise RuntimeError(f"torchft_lighthouse {problem}")
         self.lighthouse_addr = f"http://localhost:{port}"
 
     def add_replica(self, index: int) -> _Replica:
@@ -235,7 +213,7 @@ class _Cluster:
         replica = self.replicas[index]
         replica.killed_by_us = True
         kill_time = time.time()
-        _kill_group(replica.proc)
+        kill_and_reap(replica.proc)
         return kill_time
 
     def all_finished(self) -> bool:
@@ -248,9 +226,9 @@ class _Cluster:
     def close(self) -> None:
         for replica in self.replicas.values():
             if replica.proc is not None:
-                _kill_group(replica.proc)
+                kill_and_reap(replica.proc)
         if self.lighthouse is not None:
-            _kill_group(self.lighthouse)
+            kill_and_reap(self.lighthouse)
 
 
 def _replica_argv(steps: int, model_params: Optional[int], sleep_per_step: float) -> list[str]:
