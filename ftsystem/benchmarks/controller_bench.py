@@ -69,6 +69,8 @@ class BenchConfig:
     """How long to wait for an expected epoch before giving up."""
     seed: int = 0
     """Seeds the choice of revoked replicas and the revoke phases relative to the tick."""
+    num_scrapes: int = 20
+    """Timed GETs of /v1/sd/prometheus and of /metrics (subprocess controller only)."""
 
 
 # --- processes -----------------------------------------------------------------------------------
@@ -86,8 +88,9 @@ def _etcd(url: str | None, workdir: Path) -> Iterator[str]:
 
 @asynccontextmanager
 async def _controller(mode: ControllerMode, url: str, job: str, workdir: Path
-                      ) -> AsyncIterator[Callable[[], None]]:
-    """Run a controller leader for ``job``; yields a check that raises if it has died."""
+                      ) -> AsyncIterator[tuple[Callable[[], None], str | None]]:
+    """Run a controller leader for ``job``; yields a check that raises if it has died, and
+    the base URL of its REST API (None in-process: no HTTP server there)."""
     if mode is ControllerMode.SUBPROCESS:
         async with _controller_subprocess(url, job, workdir / "controller.log") as check:
             yield check
@@ -98,10 +101,11 @@ async def _controller(mode: ControllerMode, url: str, job: str, workdir: Path
 
 @asynccontextmanager
 async def _controller_subprocess(url: str, job: str, log_path: Path
-                                 ) -> AsyncIterator[Callable[[], None]]:
+                                 ) -> AsyncIterator[tuple[Callable[[], None], str]]:
     from ftsystem.etcd_server import free_port
+    port = free_port()
     cmd = [sys.executable, "-c", "from ftsystem.cli import main; main()", "controller",
-           "--etcd", url, "--job", job, "--port", str(free_port())]
+           "--etcd", url, "--job", job, "--port", str(port)]
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
 
@@ -110,7 +114,7 @@ async def _controller_subprocess(url: str, job: str, log_path: Path
             raise BenchError(f"the controller exited with {proc.returncode}: "
                              f"{_tail(log_path)}")
     try:
-        yield check
+        yield check, f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -121,7 +125,8 @@ async def _controller_subprocess(url: str, job: str, log_path: Path
 
 
 @asynccontextmanager
-async def _controller_task(url: str, job: str) -> AsyncIterator[Callable[[], None]]:
+async def _controller_task(url: str, job: str
+                           ) -> AsyncIterator[tuple[Callable[[], None], None]]:
     from controller.leader import LeaderConfig, run_elections
     from ftsystem.store import Store
     store = Store(url)
@@ -133,7 +138,7 @@ async def _controller_task(url: str, job: str) -> AsyncIterator[Callable[[], Non
         if task.done():
             raise BenchError(f"the controller task ended: {task.exception()!r}")
     try:
-        yield check
+        yield check, None
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -200,6 +205,7 @@ class Replicas:
         self.generations = dict.fromkeys(self.ids, 0)
         # Fake rendezvous addresses: the benchmark never connects to them.
         self.store_addrs = {rid: f"127.0.0.1:{20000 + i}" for i, rid in enumerate(self.ids)}
+        self.metrics_addrs = {rid: f"127.0.0.1:{40000 + i}" for i, rid in enumerate(self.ids)}
 
     async def register(self, rid: str) -> None:
         from ftsystem import keys
@@ -207,7 +213,8 @@ class Replicas:
         lease = await self.store.grant(self.cfg.lease_ttl_s)
         reg = Registration(replica_id=rid, state=ReplicaState.READY,
                            generation=self.generations[rid], host="127.0.0.1",
-                           store_addr=self.store_addrs[rid])
+                           store_addr=self.store_addrs[rid],
+                           metrics_addr=self.metrics_addrs[rid])
         await self.store.put(keys.replica(self.job, rid), reg.to_json(), lease=lease)
         self.leases[rid] = lease
 
@@ -249,8 +256,10 @@ async def measure(cfg: BenchConfig, url: str, workdir: Path) -> dict:
         replicas = Replicas(store, job, cfg)
         await watcher.start()
         try:
-            async with _controller(cfg.controller, url, job, workdir) as check:
-                return await _run(cfg, replicas, watcher, check)
+            async with _controller(cfg.controller, url, job, workdir) as (check, api):
+                result = await _run(cfg, replicas, watcher, check)
+                result["scrape"] = await _time_scrapes(api, job, cfg.num_scrapes) if api else None
+                return result
         finally:
             await watcher.stop()
             if cfg.etcd is not None:  # an embedded etcd goes away with everything in it
@@ -302,6 +311,22 @@ async def _time_join(cfg: BenchConfig, replicas: Replicas, watcher: EpochWatcher
     return seen - t0
 
 
+async def _time_scrapes(api: str, job: str, num_scrapes: int) -> dict:
+    """What Prometheus pays per scrape of service discovery and of the controller's metrics."""
+    import httpx
+    timings: dict[str, list[float]] = {"sd": [], "metrics": []}
+    async with httpx.AsyncClient(base_url=api, timeout=30) as client:
+        for _ in range(num_scrapes):
+            for name, path in (("sd", "/v1/sd/prometheus"), ("metrics", "/metrics")):
+                t0 = time.perf_counter()
+                response = await client.get(path)
+                response.raise_for_status()
+                timings[name].append(time.perf_counter() - t0)
+        targets = sum(len(g["targets"]) for g in (await client.get("/v1/sd/prometheus")).json())
+    return {"sd_s": summarize(timings["sd"]), "metrics_s": summarize(timings["metrics"]),
+            "sd_targets": targets, "scrapes": num_scrapes}
+
+
 def summarize(samples: list[float]) -> dict[str, float]:
     import numpy as np
     values = np.asarray(samples, dtype=float)
@@ -319,6 +344,7 @@ def run(cfg: BenchConfig) -> dict:
             "decision_latency_s": summarize(raw["decisions"]), "target_p99_s": TARGET_P99_S,
             "registration_s": raw["registration_s"], "first_epoch_s": raw["first_epoch_s"],
             "join_latency_s": summarize(raw["joins"]), "join_tick_s": raw["join_tick_s"],
+            "scrape_latency_s": raw["scrape"],
             "controller": cfg.controller.value, "etcd": cfg.etcd or "embedded"}
 
 
@@ -367,7 +393,10 @@ def _print(result: dict) -> None:
                 f"{result['revokes']} revokes",
                 ["measure", "p50 (ms)", "p99 (ms)", "mean (ms)", "max (ms)"],
                 [("removal: revoke -> epoch seen", *(1000 * d[k] for k in d)),
-                 ("join: register -> epoch seen", *(1000 * j[k] for k in j))])
+                 ("join: register -> epoch seen", *(1000 * j[k] for k in j))]
+                + [(f"scrape {name}", *(1000 * v for v in result["scrape_latency_s"][key].values()))
+                   for name, key in (("/v1/sd/prometheus", "sd_s"), ("/metrics", "metrics_s"))
+                   if result["scrape_latency_s"]])
     verdict = "meets" if d["p99"] <= result["target_p99_s"] else "MISSES"
     print_table("summary", ["registration (s)", "first epoch (s)", "target p99 (ms)", "verdict"],
                 [(result["registration_s"], result["first_epoch_s"],
