@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.chaos import ChaosExecutor
 from ftsystem import keys, metrics, runtime
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
@@ -85,13 +86,19 @@ class Agent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
         await self.record.set(self._record_value())
-        holder = asyncio.create_task(self.record.hold())
+        chaos = ChaosExecutor(self.store, self.cfg.job, self.cfg.replica_id, self._running_pids)
+        background = [asyncio.create_task(self.record.hold()), asyncio.create_task(chaos.run())]
         try:
             return await self._supervise()
         finally:
-            holder.cancel()
-            await asyncio.gather(holder, return_exceptions=True)
+            await chaos.stop()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await self.store.close()
+
+    def _running_pids(self) -> list[int]:
+        return [c.pid for c in self.children if c.returncode is None]
 
     def _record_value(self) -> dict:
         return {"host": self.cfg.host, "pid": os.getpid(), "generation": self.generation,

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import Body, Depends, FastAPI, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controller.auth import BearerAuth, RateLimit, load_token
 from controller.leader import LeaderConfig, run_elections
+from controller.status_page import status_router
 from ftsystem import keys, metrics
+from ftsystem.chaos import ChaosSpecError, Order, spec_from_mapping, submit
 from ftsystem.membership import ReplicaState
 from ftsystem.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
+CHAOS_RATE = (10, 60.0)  # orders per window (s): chaos is an experiment, not a load
 
 
 def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
@@ -66,6 +72,28 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
         raise HTTPException(404, f"replica {replica_id!r} is not part of job {job!r}; "
                                  f"GET /v1/jobs/{job} lists its replicas")
 
+    auth, chaos_rate = BearerAuth(load_token()), RateLimit(*CHAOS_RATE)
+
+    @app.post("/v1/jobs/{job}/chaos", status_code=201,
+              dependencies=[Depends(auth), Depends(chaos_rate)])
+    async def post_chaos(job: str, spec: dict[str, Any] = Body(...)) -> dict:
+        """Validate a chaos spec, expand it against the job's replicas, store the orders."""
+        _check_job(cfg.job, job)
+        try:
+            orders = await submit(store, job, spec_from_mapping(spec),
+                                  f"api-{int(time.time() * 1000)}", now=time.time())
+        except ChaosSpecError as e:
+            raise HTTPException(422, f"invalid chaos spec: {e}; nothing was stored") from e
+        return {"orders": [order.id for order in orders]}
+
+    @app.get("/v1/jobs/{job}/chaos")
+    async def list_chaos(job: str) -> dict:
+        """Every chaos order of the job with its state and outcome, oldest first."""
+        _check_job(cfg.job, job)
+        items, _ = await store.get_prefix(keys.chaos_orders(job))
+        orders = sorted((Order.from_json(v) for v in items.values()), key=lambda o: o.at)
+        return {"orders": [dataclasses.asdict(o) for o in orders]}
+
     @app.get("/v1/sd/prometheus")
     async def prometheus_service_discovery() -> list[dict]:
         """Prometheus HTTP service discovery: every metrics endpoint of the job."""
@@ -82,6 +110,7 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
         return Response(json.dumps({"detail": str(exc)}), status_code=503,
                         media_type="application/json")
 
+    app.include_router(status_router(store, cfg))
     return app
 
 

@@ -15,8 +15,10 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="ftsystem: fault-tolerant training jobs (FT-HSDP, HALoS).")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: each prints a table and writes JSON.")
 sim_app = typer.Typer(no_args_is_help=True, help="Simulators for scales that do not fit here.")
+chaos_app = typer.Typer(no_args_is_help=True, help="Failure injection.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")
+app.add_typer(chaos_app, name="chaos")
 
 ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379)"
 
@@ -87,8 +89,9 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
           nproc_per_replica: int = typer.Option(1, min=1, help="ranks per replica"),
           kill_at: List[str] = typer.Option([], help="kill the replica at STEP[:PHASE]"),
           max_restarts: int = typer.Option(20, min=0),
-          watchdog: float = typer.Option(60.0, help="seconds without heartbeat = hung"),
-          timeout: float = typer.Option(30.0, help="FTSYSTEM_TIMEOUT_S for the replica"),
+          watchdog: Optional[float] = typer.Option(
+              None, help="seconds without heartbeat = hung (default: timeout / 3)"),
+          timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S)"),
           host: str = typer.Option("127.0.0.1", help="address peers reach this replica at")
           ) -> None:
     """Supervise one replica: launch its ranks, hold its lease, restart it on failure."""
@@ -107,7 +110,7 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     os.environ[ENV_TIMEOUT] = str(timeout)
     cfg = AgentConfig(etcd=etcd, job=job, replica_id=replica_id, command=command,
                       num_procs=nproc_per_replica, max_restarts=max_restarts,
-                      watchdog_s=watchdog, kill_at=points, host=host)
+                      watchdog_s=watchdog or timeout / 3, kill_at=points, host=host)
     try:
         code = run_agent(cfg)
     except (StoreError, ValueError) as e:
@@ -130,6 +133,9 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S)"),
         port: int = typer.Option(0, help="controller REST port (0: free port)"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary here"),
+        chaos: Optional[Path] = typer.Option(None, help="a chaos spec (YAML/JSON) to inject"),
+        mtbf: Optional[str] = typer.Option(None, help="kill a random replica with this mean "
+                                                      "time between failures, e.g. 30s"),
         ) -> None:
     """Run a fault-tolerant training job here, inject failures, and report."""
     from ftsystem.launcher import RunConfig, parse_replica_kill, run_job
@@ -142,8 +148,14 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         kills = [parse_replica_kill(k, replicas) for k in kill_at]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
+    from ftsystem.chaos import ChaosSpecError, parse_spec, spec_from_mapping
+    try:
+        spec = parse_spec(chaos.read_text()) if chaos else spec_from_mapping(
+            {"action": "kill", "schedule": {"mtbf": mtbf}, "horizon": "24h"}) if mtbf else None
+    except (OSError, ChaosSpecError) as e:
+        raise typer.BadParameter(str(e), param_hint="--chaos/--mtbf") from e
     train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
-    cfg = RunConfig(num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
+    cfg = RunConfig(chaos=spec, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
                     timeout_s=timeout, controller_ports=[port])
     from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
@@ -165,6 +177,33 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
     write_json(json_out, summary)
     if not (summary["bitwise_identical"] and summary["agents_ok"]):
         raise typer.Exit(1)
+
+
+@chaos_app.command("apply")
+def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or JSON"),
+                etcd: str = typer.Option(..., help=ETCD_HELP),
+                job: str = typer.Option(..., help="job id")) -> None:
+    """Validate a chaos spec and store its orders; the job's agents execute them."""
+    import asyncio
+    import time
+    from ftsystem.chaos import ChaosSpecError, parse_spec, submit
+    from ftsystem.store import Store, StoreError
+    _check_id("job", job)
+    try:
+        spec = parse_spec(spec_file.read_text())
+    except (OSError, ChaosSpecError) as e:
+        raise _fail(f"{spec_file}: {e}; nothing was stored")
+
+    async def store_orders():
+        async with Store(etcd) as store:
+            return await submit(store, job, spec, f"cli-{int(time.time() * 1000)}",
+                                now=time.time())
+    try:
+        orders = asyncio.run(store_orders())
+    except (StoreError, ChaosSpecError) as e:
+        raise _fail(f"{e}; nothing was stored")
+    for order in orders:
+        typer.echo(f"{order.id}\t{order.action}\t{order.replica}\tat {order.at:.1f}")
 
 
 # Sub-command modules register themselves on the apps above when imported (one line each).

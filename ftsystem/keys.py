@@ -76,6 +76,15 @@ def catchup(job_id: str, replica_id: str) -> str:
     return catchups(job_id) + check_id("replica", replica_id)
 
 
+def chaos_orders(job_id: str) -> str:
+    """Prefix of failure-injection orders (no lease: their outcomes are the record)."""
+    return f"{job(job_id)}/chaos/"
+
+
+def chaos(job_id: str, order_id: str) -> str:
+    return chaos_orders(job_id) + order_id
+
+
 def failures(job_id: str) -> str:
     """Prefix of the failure history (no lease: kept after the job for reports)."""
     return f"{job(job_id)}/failures/"

@@ -21,6 +21,7 @@ from typing import Iterator
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftsystem import ettr, keys, stall
+from ftsystem.chaos import ChaosSpec, submit
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
 from ftsystem.faults import FaultPoint, parse_fault_point
 from ftsystem.procs import die_with_parent
@@ -71,6 +72,8 @@ class RunConfig:
     timeout_s: float = 30.0
     """FTSYSTEM_TIMEOUT_S for the replicas."""
     show_progress: bool = True
+    chaos: ChaosSpec | None = None
+    """Failure injection by spec (``--chaos FILE`` or ``--mtbf``), executed by the agents."""
 
 
 def replica_id(index: int) -> str:
@@ -126,6 +129,8 @@ def run_job(cfg: RunConfig) -> dict:
                                                    cfg.job, "--port", str(port)))
             agents = [procs.start(f"agent-{replica_id(i)}", agent_command(cfg, etcd, i))
                       for i in range(cfg.num_replicas)]
+            if cfg.chaos is not None:
+                asyncio.run(_submit_chaos(etcd, cfg))
             started = time.time()
             _wait_with_progress(cfg, etcd, agents)
             summary = asyncio.run(_summarize(cfg, etcd, agents, time.time() - started))
@@ -147,6 +152,14 @@ def agent_command(cfg: RunConfig, etcd: str, index: int) -> list[str]:
              "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args]
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
                 "--timeout", str(cfg.timeout_s), *kills, "--", *train)
+
+
+async def _submit_chaos(etcd: str, cfg: RunConfig) -> None:
+    """Once every agent is up (orders name replicas), expand and store the chaos spec."""
+    async with Store(etcd) as store:
+        while len((await store.get_prefix(keys.agents(cfg.job)))[0]) < cfg.num_replicas:
+            await asyncio.sleep(0.1)
+        await submit(store, cfg.job, cfg.chaos, "run", now=time.time())
 
 
 async def _reset_job(etcd: str, cfg: RunConfig) -> None:

@@ -1,0 +1,223 @@
+"""Failure-injection specs (shaped like Chaos Mesh experiments) and the orders they expand to.
+
+A spec says what to do (``action``), to whom (``selector`` and ``mode``), for how long
+(``duration``) and when (``schedule``)::
+
+    action: hang            # kill | hang | slow
+    mode: one               # one | fixed | percent
+    value: 1                # how many (fixed) or which share (percent) of the selected
+    selector: {replicas: [r1, r2]}   # default: every replica of the job
+    duration: 5s            # hang/slow only
+    schedule: "@every 30s"  # or {mtbf: 30s} (Poisson arrivals), or omitted: once, now
+    horizon: 300s           # how far ahead a schedule is expanded
+    seed: 0
+
+``parse_spec`` validates (and says what is wrong) and ``expand`` turns a spec into timed orders
+for named replicas, both pure; ``submit`` stores the orders in etcd under ``chaos/``. The agents
+execute them (``agent.chaos``) and record each one's outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+ACTIONS = ("kill", "hang", "slow")
+MODES = ("one", "fixed", "percent")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+SLOW_PERIOD_S = 0.2
+"""A slowed replica runs, then stops, within each period of this length."""
+
+
+class ChaosSpecError(ValueError):
+    """A malformed chaos spec; nothing was executed."""
+
+
+def parse_duration(text: Any, what: str) -> float:
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text >= 0:
+        return float(text)
+    match = _DURATION.match(str(text).strip())
+    if not match:
+        raise ChaosSpecError(f"{what}: {text!r} is not a duration; write e.g. 500ms, 30s, 5m")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChaosSpec:
+    action: str
+    mode: str = "one"
+    value: float = 1
+    replicas: tuple[str, ...] = ()
+    """Selector: the replicas to choose from; empty means all of the job's."""
+    duration_s: float = 0.0
+    every_s: float | None = None
+    mtbf_s: float | None = None
+    horizon_s: float = 300.0
+    seed: int = 0
+    slow_fraction: float = 0.5
+    """For ``slow``: the share of each period the replica is stopped."""
+
+
+def parse_spec(text: str) -> ChaosSpec:
+    """Parse and validate a YAML or JSON spec; raises :class:`ChaosSpecError` with the reason."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ChaosSpecError(f"not YAML or JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ChaosSpecError("a chaos spec is a mapping with at least an 'action' key")
+    return spec_from_mapping(raw)
+
+
+def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
+    known = {"action", "mode", "value", "selector", "duration", "schedule", "horizon", "seed",
+             "slow_fraction"}
+    if unknown := sorted(set(raw) - known):
+        raise ChaosSpecError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    action = raw.get("action")
+    if action not in ACTIONS:
+        raise ChaosSpecError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
+    mode = raw.get("mode", "one")
+    if mode not in MODES:
+        raise ChaosSpecError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    value = _number(raw.get("value", 100 if mode == "percent" else 1), "value")
+    if (mode == "percent" and not 0 < value <= 100) or (mode == "fixed" and value < 1):
+        raise ChaosSpecError(f"value {value} does not fit mode {mode}")
+    duration = parse_duration(raw.get("duration", 0), "duration")
+    if action in ("hang", "slow") and duration <= 0:
+        raise ChaosSpecError(f"action {action} needs a positive duration, e.g. duration: 5s")
+    every, mtbf = _schedule(raw.get("schedule"))
+    return ChaosSpec(action=action, mode=mode, value=value, replicas=_selector(raw),
+                     duration_s=duration, every_s=every, mtbf_s=mtbf,
+                     horizon_s=parse_duration(raw.get("horizon", "300s"), "horizon"),
+                     seed=int(_number(raw.get("seed", 0), "seed")),
+                     slow_fraction=_fraction(raw.get("slow_fraction", 0.5)))
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ChaosSpecError(f"{what} must be a number, not {value!r}")
+    return float(value)
+
+
+def _fraction(value: Any) -> float:
+    fraction = _number(value, "slow_fraction")
+    if not 0 < fraction < 1:
+        raise ChaosSpecError(f"slow_fraction must be between 0 and 1, not {fraction}")
+    return fraction
+
+
+def _selector(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    from ftsystem.keys import InvalidIdError, check_id
+    selector = raw.get("selector") or {}
+    if not isinstance(selector, dict) or set(selector) - {"replicas"}:
+        raise ChaosSpecError("selector supports {replicas: [ids...]} only")
+    replicas = selector.get("replicas", [])
+    if not isinstance(replicas, list):
+        raise ChaosSpecError("selector.replicas must be a list of replica ids")
+    try:
+        return tuple(check_id("replica", str(r)) for r in replicas)
+    except InvalidIdError as e:
+        raise ChaosSpecError(f"selector: {e}") from e
+
+
+def _schedule(schedule: Any) -> tuple[float | None, float | None]:
+    if schedule is None:
+        return None, None
+    if isinstance(schedule, str) and schedule.startswith("@every "):
+        every = parse_duration(schedule[len("@every "):], "schedule")
+        if every <= 0:
+            raise ChaosSpecError("schedule: @every needs a positive interval")
+        return every, None
+    if isinstance(schedule, dict) and set(schedule) == {"mtbf"}:
+        mtbf = parse_duration(schedule["mtbf"], "schedule.mtbf")
+        if mtbf <= 0:
+            raise ChaosSpecError("schedule: mtbf must be positive")
+        return None, mtbf
+    raise ChaosSpecError(f"schedule must be '@every 30s' or {{mtbf: 30s}}, not {schedule!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Order:
+    """One action on one replica at one time; stored at ``chaos/<id>``."""
+
+    id: str
+    action: str
+    replica: str
+    at: float
+    """Unix time at which the agent acts."""
+    duration_s: float = 0.0
+    slow_fraction: float = 0.5
+    state: str = "pending"
+    """pending | done | failed (set by the executing agent)."""
+    outcome: str = ""
+    executed_at: float | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "Order":
+        return cls(**json.loads(data))
+
+
+def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str) -> list[Order]:
+    """The orders of ``spec`` against the job's ``replicas``, from ``now`` over its horizon."""
+    pool = [r for r in replicas if not spec.replicas or r in spec.replicas]
+    if not pool:
+        raise ChaosSpecError(f"the selector matches none of the job's replicas "
+                             f"({', '.join(replicas) or 'none registered'})")
+    rng = random.Random(spec.seed)
+    orders = []
+    for i, at in enumerate(_times(spec, now, rng)):
+        for replica in _choose(spec, pool, rng):
+            orders.append(Order(id=f"{name}-{i:04d}-{replica}", action=spec.action,
+                                replica=replica, at=at, duration_s=spec.duration_s,
+                                slow_fraction=spec.slow_fraction))
+    return orders
+
+
+def _times(spec: ChaosSpec, now: float, rng: random.Random) -> list[float]:
+    if spec.every_s is None and spec.mtbf_s is None:
+        return [now]
+    times, t = [], now
+    while True:
+        t += spec.every_s if spec.every_s is not None else rng.expovariate(1.0 / spec.mtbf_s)
+        if t > now + spec.horizon_s:
+            return times
+        times.append(t)
+
+
+def _choose(spec: ChaosSpec, pool: list[str], rng: random.Random) -> list[str]:
+    count = {"one": 1, "fixed": int(spec.value),
+             "percent": math.ceil(len(pool) * spec.value / 100)}[spec.mode]
+    return sorted(rng.sample(pool, min(count, len(pool))))
+
+
+def slow_pattern(duration_s: float, fraction: float) -> list[tuple[float, float]]:
+    """(run, stop) seconds for each period of a ``slow`` action over ``duration_s``."""
+    periods = max(1, round(duration_s / SLOW_PERIOD_S))
+    stop = SLOW_PERIOD_S * fraction
+    return [(SLOW_PERIOD_S - stop, stop)] * periods
+
+
+
+async def submit(store, job: str, spec: ChaosSpec, name: str, *, now: float) -> list[Order]:
+    """Expand ``spec`` against the job's replicas (those with an agent) and store the orders.
+
+    The one I/O function of this module, shared by ``ftsystem chaos apply``, ``ftsystem run
+    --chaos`` and ``POST /v1/jobs/{job}/chaos``; nothing is stored if expansion fails.
+    """
+    from ftsystem import keys
+    agents, _ = await store.get_prefix(keys.agents(job))
+    orders = expand(spec, sorted(keys.last_segment(k) for k in agents), now=now, name=name)
+    for order in orders:
+        await store.put(keys.chaos(job, order.id), order.to_json())
+    return orders

@@ -1,0 +1,195 @@
+"""Chaos specs: validation (pure), expansion (pure), execution by a real agent with real
+signals, and the authenticated REST endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from conftest import wait_for
+from ftsystem import keys
+from ftsystem.chaos import ChaosSpecError, expand, parse_spec, slow_pattern
+from ftsystem.cli import app
+from ftsystem.etcd_server import free_port
+from ftsystem.store import Store
+
+
+def test_a_full_spec_parses():
+    spec = parse_spec("""
+        action: hang
+        mode: percent
+        value: 50
+        selector: {replicas: [r1, r2]}
+        duration: 1500ms
+        schedule: "@every 30s"
+        horizon: 2m
+        seed: 7
+    """)
+    assert (spec.action, spec.mode, spec.value, spec.replicas) == ("hang", "percent", 50,
+                                                                   ("r1", "r2"))
+    assert (spec.duration_s, spec.every_s, spec.horizon_s, spec.seed) == (1.5, 30, 120, 7)
+    assert parse_spec('{"action": "kill", "schedule": {"mtbf": "10s"}}').mtbf_s == 10
+
+
+@pytest.mark.parametrize("text, message", [
+    ("action: explode", "action must be one of kill, hang, slow"),
+    ("[1, 2]", "a mapping"),
+    ("action: hang", "needs a positive duration"),
+    ("action: kill\nschedule: every minute", "schedule must be"),
+    ("action: kill\nduration: soon", "not a duration"),
+    ("action: kill\nmode: percent\nvalue: 150", "does not fit mode percent"),
+    ("action: kill\nselector: {replicas: ['a/b']}", "invalid replica id"),
+    ("action: kill\ntarget: r1", "unknown key(s) target"),
+    ("action: [unclosed", "not YAML or JSON"),
+])
+def test_bad_specs_say_what_is_wrong(text, message):
+    with pytest.raises(ChaosSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_spec(text)
+
+
+def test_expansion_follows_schedule_mode_and_selector():
+    every = parse_spec("action: kill\nschedule: '@every 10s'\nhorizon: 60s")
+    orders = expand(every, ["r0", "r1", "r2"], now=1000.0, name="t")
+    assert [o.at for o in orders] == [1010.0, 1020.0, 1030.0, 1040.0, 1050.0, 1060.0]
+    assert len({o.id for o in orders}) == len(orders)
+    half = parse_spec("action: kill\nmode: percent\nvalue: 50")
+    assert len(expand(half, ["r0", "r1", "r2", "r3"], now=0, name="t")) == 2
+    chosen = parse_spec("action: kill\nmode: fixed\nvalue: 5\nselector: {replicas: [r2]}")
+    assert [o.replica for o in expand(chosen, ["r0", "r1", "r2"], now=0, name="t")] == ["r2"]
+    mtbf = parse_spec("action: kill\nschedule: {mtbf: 30s}\nhorizon: 1h\nseed: 3")
+    a, b = (expand(mtbf, ["r0", "r1"], now=0, name="t") for _ in range(2))
+    assert a == b and 60 < len(a) < 180  # seeded Poisson: about 120 in an hour
+    with pytest.raises(ChaosSpecError, match="matches none"):
+        expand(chosen, ["r0"], now=0, name="t")
+
+
+def test_slow_pattern_stops_the_given_share():
+    pattern = slow_pattern(2.0, 0.25)
+    assert len(pattern) == 10 and all(abs(stop / (run + stop) - 0.25) < 1e-9
+                                      for run, stop in pattern)
+
+
+TICKER = "import time,sys\nwhile True:\n    print(time.time(), flush=True)\n    time.sleep(0.02)\n"
+
+
+def _ticks(path) -> list[float]:
+    return [float(line) for line in path.read_text().split()]
+
+
+def _orders(etcd_url: str, job: str) -> list[dict]:
+    async def read():
+        async with Store(etcd_url) as store:
+            items, _ = await store.get_prefix(keys.chaos_orders(job))
+        return [json.loads(v) for v in items.values()]
+    return asyncio.run(read())
+
+
+def _apply(tmp_path, etcd, job_id, text: str) -> None:
+    spec = tmp_path / f"spec{time.monotonic_ns()}.yaml"
+    spec.write_text(text)
+    result = CliRunner().invoke(app, ["chaos", "apply", str(spec), "--etcd", etcd.url,
+                                      "--job", job_id])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.slow
+def test_agent_executes_hang_slow_and_kill(etcd, job_id, tmp_path):
+    ticks = tmp_path / "ticks"
+    agent = subprocess.Popen([
+        sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd.url, "--job", job_id,
+        "--replica-id", "r0", "--", "sh", "-c", f"exec {sys.executable} -c '{TICKER}' >> {ticks}"])
+    try:
+        wait_for(lambda: ticks.exists() and len(_ticks(ticks)) > 10, 30, "the replica to tick")
+        _apply(tmp_path, etcd, job_id, "action: hang\nduration: 1500ms")
+        hang = wait_for(lambda: [o for o in _orders(etcd.url, job_id) if o["state"] == "done"],
+                        30, "the hang to be executed")[0]
+        times = [t for t in _ticks(ticks) if t > hang["executed_at"] - 1]
+        assert max(b - a for a, b in zip(times, times[1:])) >= 1.4  # it really stopped
+
+        _apply(tmp_path, etcd, job_id, "action: slow\nduration: 2s\nslow_fraction: 0.5")
+        wait_for(lambda: sum(o["state"] == "done" for o in _orders(etcd.url, job_id)) == 2,
+                 30, "the slowdown to finish")
+        slow = max(_orders(etcd.url, job_id), key=lambda o: o["at"])
+        window = [t for t in _ticks(ticks) if slow["executed_at"] < t < slow["executed_at"] + 2]
+        assert 10 <= len(window) <= 75  # about half of the 100 ticks of 2 s
+
+        _apply(tmp_path, etcd, job_id, "action: kill")
+        wait_for(lambda: sum(o["state"] == "done" for o in _orders(etcd.url, job_id)) == 3,
+                 30, "the kill to be executed")
+        failures = wait_for(lambda: _failures(etcd.url, job_id), 30, "the failure record")
+        assert failures[0]["reason"] == "killed by SIGKILL"
+    finally:
+        agent.terminate()
+        agent.wait(30)
+
+
+def _failures(etcd_url: str, job: str) -> list[dict]:
+    async def read():
+        async with Store(etcd_url) as store:
+            items, _ = await store.get_prefix(keys.failures(job))
+        return [json.loads(v) for v in items.values()]
+    return asyncio.run(read())
+
+
+def test_chaos_apply_refuses_a_bad_spec(tmp_path, etcd, job_id):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("action: melt")
+    result = CliRunner().invoke(app, ["chaos", "apply", str(spec), "--etcd", etcd.url,
+                                      "--job", job_id])
+    assert result.exit_code == 2 and "nothing was stored" in result.output
+    assert _orders(etcd.url, job_id) == []
+
+
+@pytest.fixture
+def secured_controller(etcd, job_id, tmp_path):
+    port = free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    env = {**os.environ, "FTSYSTEM_API_TOKEN_FILE": str(token_file)}
+    log = open(tmp_path / "controller.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
+                             etcd.url, "--job", job_id, "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _reachable(f"{base}/healthz"), 60, "the controller")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert b"s3cret" not in (tmp_path / "controller.log").read_bytes()  # never logged
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_chaos_api_needs_the_token_and_validates(secured_controller, etcd, job_id):
+    async def register_agent():
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.agent(job_id, "r0"), {"host": "127.0.0.1"})
+    asyncio.run(register_agent())
+    url = f"{secured_controller}/v1/jobs/{job_id}/chaos"
+    spec = {"action": "hang", "duration": "1s", "schedule": "@every 1h", "horizon": "1h"}
+    assert httpx.post(url, json=spec).status_code == 401
+    assert httpx.post(url, json=spec, headers={"Authorization": "Bearer nope"}).status_code == 401
+    good = {"Authorization": "Bearer s3cret"}
+    bad = httpx.post(url, json={"action": "melt"}, headers=good)
+    assert bad.status_code == 422 and "nothing was stored" in bad.text
+    created = httpx.post(url, json=spec, headers=good)
+    assert created.status_code == 201 and len(created.json()["orders"]) == 1
+    listed = httpx.get(url).json()["orders"]
+    assert [(o["action"], o["replica"], o["state"]) for o in listed] == [("hang", "r0", "pending")]
+    codes = [httpx.post(url, json=spec, headers=good).status_code for _ in range(12)]
+    assert 429 in codes  # the rate limit: 10 orders a minute
