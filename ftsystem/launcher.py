@@ -20,7 +20,7 @@ from typing import Iterator
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ftsystem import ettr, keys, stall
+from ftsystem import ettr, keys, stall, timeline
 from ftsystem.chaos import ChaosSpec, submit
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
 from ftsystem.faults import FaultPoint, parse_fault_point
@@ -208,6 +208,7 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
     for path in sorted((cfg.out_dir / "results").glob("*.json")):
         result = json.loads(path.read_text())
         results[result["replica"]] = result
+    timeline.draw(results, failures, cfg.out_dir / "timeline.png")
     return summarize(results, failures, wall_s=wall_s, num_replicas=cfg.num_replicas,
                      agent_exit_codes=[a.returncode for a in agents])
 

@@ -58,6 +58,8 @@ def test_sigkill_between_steps_and_during_allreduce(etcd, job_id, tmp_path):
     assert results["r0"]["generation"] == 0
     # r0 never restarted: its timeline covers the whole job, without a hole at either failure
     assert [s for s, _ in results["r0"]["commits"]] == list(range(1, cfg.num_steps + 1))
+    assert 0 < summary["ettr_time"] <= 1 and 0 < summary["ettr_work"] <= 1
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
     # the restarted replicas rejoined mid-job, in a later epoch than the failure's
     for rid in ("r1", "r2"):
         first_step = results[rid]["commits"][0][0]
