@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import BearerAuth, RateLimit, load_token
@@ -23,7 +24,8 @@ from ftsystem.membership import ReplicaState
 from ftsystem.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
-CHAOS_RATE = (10, 60.0)  # orders per window (s): chaos is an experiment, not a load
+# Chaos specs accepted per window (s): chaos is an experiment, not a load. "N/SECONDS".
+ENV_CHAOS_RATE = "FTSYSTEM_CHAOS_RATE"
 
 
 def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
@@ -72,7 +74,8 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
         raise HTTPException(404, f"replica {replica_id!r} is not part of job {job!r}; "
                                  f"GET /v1/jobs/{job} lists its replicas")
 
-    auth, chaos_rate = BearerAuth(load_token()), RateLimit(*CHAOS_RATE)
+    limit, _, window = os.environ.get(ENV_CHAOS_RATE, "10/60").partition("/")
+    auth, chaos_rate = BearerAuth(load_token()), RateLimit(int(limit), float(window))
 
     @app.post("/v1/jobs/{job}/chaos", status_code=201,
               dependencies=[Depends(auth), Depends(chaos_rate)])
@@ -83,7 +86,7 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
             orders = await submit(store, job, spec_from_mapping(spec),
                                   f"api-{int(time.time() * 1000)}", now=time.time())
         except ChaosSpecError as e:
-            raise HTTPException(422, f"invalid chaos spec: {e}; nothing was stored") from e
+            raise HTTPException(400, f"invalid chaos spec: {e}; nothing was stored") from e
         return {"orders": [order.id for order in orders]}
 
     @app.get("/v1/jobs/{job}/chaos")
@@ -100,7 +103,7 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
         items, _ = await store.get_prefix(keys.job(cfg.job) + "/")
         return discovery_targets(cfg.job, items)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         await _refresh_gauges(store, cfg.job)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

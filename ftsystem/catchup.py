@@ -70,6 +70,12 @@ class UpdateLog:
             self._bytes += update.numel() * update.element_size()
             self._trim()
 
+    def clear(self) -> None:
+        """Forget everything: the state was replaced, older updates no longer lead to it."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     def end_session(self) -> None:
         """No joiner is reading any more: keep only the last few updates."""
         with self._lock:
@@ -86,6 +92,11 @@ class UpdateLog:
         """The oldest step that can be produced from the log, or None when it is empty."""
         with self._lock:
             return next(iter(self._entries), None)
+
+    def entries(self) -> list[tuple[int, torch.Tensor]]:
+        """All entries, oldest first: a consistent view that later trimming cannot change."""
+        with self._lock:
+            return list(self._entries.items())
 
     def since(self, after: int) -> list[tuple[int, torch.Tensor]] | None:
         """Updates for steps ``after+1 ..``, or None when some of them were dropped."""

@@ -32,6 +32,8 @@ ACTIONS = ("kill", "hang", "slow")
 MODES = ("one", "fixed", "percent")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_ORDERS = 1000
+"""A spec expanding to more orders than this is refused (a typo like '@every 1ms')."""
 SLOW_PERIOD_S = 0.2
 """A slowed replica runs, then stops, within each period of this length."""
 
@@ -41,7 +43,9 @@ class ChaosSpecError(ValueError):
 
 
 def parse_duration(text: Any, what: str) -> float:
-    if isinstance(text, (int, float)) and not isinstance(text, bool) and text >= 0:
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if not math.isfinite(text) or text < 0:
+            raise ChaosSpecError(f"{what}: {text!r} is not a finite, non-negative duration")
         return float(text)
     match = _DURATION.match(str(text).strip())
     if not match:
@@ -102,8 +106,8 @@ def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
 
 
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ChaosSpecError(f"{what} must be a number, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ChaosSpecError(f"{what} must be a finite number, not {value!r}")
     return float(value)
 
 
@@ -181,6 +185,9 @@ def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str) -
             orders.append(Order(id=f"{name}-{i:04d}-{replica}", action=spec.action,
                                 replica=replica, at=at, duration_s=spec.duration_s,
                                 slow_fraction=spec.slow_fraction))
+        if len(orders) > MAX_ORDERS:
+            raise ChaosSpecError(f"the spec makes more than {MAX_ORDERS} orders; select fewer "
+                                 "replicas or fire less often")
     return orders
 
 
@@ -193,6 +200,9 @@ def _times(spec: ChaosSpec, now: float, rng: random.Random) -> list[float]:
         if t > now + spec.horizon_s:
             return times
         times.append(t)
+        if len(times) > MAX_ORDERS:
+            raise ChaosSpecError(f"the schedule makes more than {MAX_ORDERS} orders over its "
+                                 "horizon: lengthen the interval or shorten the horizon")
 
 
 def _choose(spec: ChaosSpec, pool: list[str], rng: random.Random) -> list[str]:

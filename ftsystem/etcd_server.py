@@ -82,8 +82,9 @@ class EmbeddedEtcd:
                "--heartbeat-interval", "25", "--election-timeout", "250",
                "--log-level", "error"]
         log_path = Path(self.data_dir) / "etcd.log"
-        self.process = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.DEVNULL,
-                                        stderr=open(log_path, "ab"))
+        with open(log_path, "ab") as log:  # the child keeps its own fd
+            self.process = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.DEVNULL,
+                                            stderr=log)
         self._wait_ready(wait_s, log_path)
         return self
 

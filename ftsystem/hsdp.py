@@ -11,8 +11,10 @@
 Step protocol (docs/step_protocol.md): the gradients are averaged over the members of the current
 epoch; on a peer failure the group is rebuilt for the next epoch and the same local gradients are
 all-reduced again (no recomputation). At the start of every epoch the members compare committed
-steps; members behind (or new) load the state of the most advanced one. ``commit`` returns False
-when that replaced this replica's state: its gradients belonged to an older step and are dropped.
+steps; members a few steps behind replay the most advanced member's logged updates, new ones
+load its whole state. ``commit`` returns False when that changed this replica's state: its
+gradients belonged to an older step and are dropped. A restarted replica first catches up from
+a donor while the others train (``ftsystem.catchup``), so that it joins only a step or two behind.
 
 The average is over the members that took part: when a replica is missing, its data shard for
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
@@ -257,10 +259,11 @@ class FTReplica:
         changed.
         """
         n, rank = self.ftar.world_size, self.ftar.rank
-        oldest = self.update_log.oldest()
+        # What this replica can donate is fixed now: the session expiry may trim the log later.
+        held = self.update_log.entries()
         info = torch.zeros(3 * n, dtype=torch.float64)
         info[3 * rank: 3 * rank + 3] = torch.tensor(
-            [self.step, float(self._fresh), -1.0 if oldest is None else oldest])
+            [self.step, float(self._fresh), held[0][0] if held else -1.0])
         self.ftar.allreduce_sum(info)
         steps = [int(s) for s in info[0::3].tolist()]
         fresh = [bool(f) for f in info[1::3].tolist()]
@@ -271,18 +274,23 @@ class FTReplica:
         first_needed = min(steps[r] for r in receivers) + 1
         donor_oldest = int(info[3 * donor + 2])
         if not any(fresh[r] for r in receivers) and 0 <= donor_oldest <= first_needed:
-            self._sync_by_log(rank, donor, first_needed, steps[donor])
+            self._sync_by_log(rank, donor, first_needed, steps[donor], held)
         else:
             self._sync_by_state(rank, donor)
         return rank in receivers
 
-    def _sync_by_log(self, rank: int, donor: int, first: int, last: int) -> None:
+    def _sync_by_log(self, rank: int, donor: int, first: int, last: int,
+                     held: list[tuple[int, torch.Tensor]]) -> None:
         """Broadcast the donor's updates for steps ``first..last``; replay the missing ones."""
         size = sum(p.numel() for p in self._params)
         updates = torch.zeros(last - first + 1, size, dtype=self._params[0].dtype)
         if rank == donor:
-            for i, (_, update) in enumerate(self.update_log.since(first - 1)):
-                updates[i].copy_(update)
+            rows = [(step, update) for step, update in held if first <= step <= last]
+            if [step for step, _ in rows] != list(range(first, last + 1)):
+                raise RuntimeError(f"update log does not hold steps {first}..{last}: a bug; "
+                                   "dying is better than a silent divergence")
+            for step, update in rows:
+                updates[step - first].copy_(update)
         self.ftar.broadcast(updates, donor)
         for step in range(self.step + 1, last + 1):
             self._replay(updates[step - first])
@@ -315,6 +323,7 @@ class FTReplica:
 
     def _load(self, state: dict) -> None:
         self.snapshotter.before_mutation()
+        self.update_log.clear()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.step = self.ftar.step = state["step"]

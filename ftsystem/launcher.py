@@ -88,9 +88,9 @@ class ProcessGroup:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own fd
+            proc = subprocess.Popen(die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
         self.procs.append(proc)
         return proc
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs what ftsystem needs on a fresh Debian 12 machine: etcd, Prometheus, util-linux
-# (setpriv), and a virtual environment .venv with the project and its test dependencies.
+# (setpriv), Chromium (the status page's browser test), and a virtual environment .venv with
+# the project and its test dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
 command -v etcd >/dev/null || missing+=(etcd-server)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v setpriv >/dev/null || missing+=(util-linux)
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq

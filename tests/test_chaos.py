@@ -186,7 +186,11 @@ def test_chaos_api_needs_the_token_and_validates(secured_controller, etcd, job_i
     assert httpx.post(url, json=spec, headers={"Authorization": "Bearer nope"}).status_code == 401
     good = {"Authorization": "Bearer s3cret"}
     bad = httpx.post(url, json={"action": "melt"}, headers=good)
-    assert bad.status_code == 422 and "nothing was stored" in bad.text
+    assert bad.status_code == 400 and "nothing was stored" in bad.text
+    for hostile in ({"action": "kill", "mode": "fixed", "value": float("inf")},
+                    {"action": "kill", "schedule": "@every 1ms", "horizon": "1000000h"}):
+        assert httpx.post(url, content=json.dumps(hostile), headers={
+            **good, "content-type": "application/json"}).status_code == 400
     created = httpx.post(url, json=spec, headers=good)
     assert created.status_code == 201 and len(created.json()["orders"]) == 1
     listed = httpx.get(url).json()["orders"]

@@ -1,0 +1,240 @@
+"""ftsystem's Grafana dashboards, built in code: ``python dashboards/generate.py [--out DIR]``.
+
+Writes one JSON file per dashboard (default: next to this script), which Grafana's file provider
+loads (``provisioning/dashboards/ftsystem.yaml``). The JSON is committed; edit this file, never
+the JSON, and regenerate: a test fails while they differ.
+
+Every query reads the datasource of uid ``prometheus`` (``provisioning/datasources``) and
+selects the job by the ``job`` label the controller's service discovery gives each target.
+Events that happen a few times per process (epoch changes, restarts, catch-ups) are shown as
+their counters since the process started, not as ``rate``/``increase``: a labelled series only
+appears at its first event, so a window function never sees that event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from grafana_foundation_sdk.builders.common import ReduceDataOptions, VizLegendOptions
+from grafana_foundation_sdk.builders.dashboard import Dashboard, DashboardLink, QueryVariable, Row
+from grafana_foundation_sdk.builders.prometheus import Dataquery
+from grafana_foundation_sdk.builders.stat import Panel as Stat
+from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import (BigValueGraphMode, LegendDisplayMode,
+                                                  LegendPlacement)
+from grafana_foundation_sdk.models.dashboard import (DashboardLinkType, DataSourceRef,
+                                                     VariableRefresh, VariableSort)
+
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="prometheus")
+"""The uid given to Prometheus in provisioning/datasources/prometheus.yaml."""
+TAG = "ftsystem"
+JOB = 'job="$job"'
+REPLICA = 'job="$job", replica=~"$replica"'
+OUT_DIR = Path(__file__).resolve().parent
+
+
+# --- building blocks -------------------------------------------------------------------------
+
+def query(expr: str, legend: str = "__auto") -> Dataquery:
+    return Dataquery().expr(expr).legend_format(legend).datasource(DATASOURCE)
+
+
+def timeseries(title: str, description: str, unit: str, *targets: Dataquery,
+               width: int = 12) -> Timeseries:
+    panel = (Timeseries().title(title).description(description).unit(unit).datasource(DATASOURCE)
+             .height(8).span(width)
+             .legend(VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                     .placement(LegendPlacement.BOTTOM).show_legend(True)))
+    return _with_targets(panel, targets)
+
+
+def stat(title: str, description: str, expr: str, unit: str = "none") -> Stat:
+    panel = (Stat().title(title).description(description).unit(unit).datasource(DATASOURCE)
+             .height(4).span(6).graph_mode(BigValueGraphMode.AREA)
+             .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
+    return _with_targets(panel, [query(expr)])
+
+
+def _with_targets(panel, targets):
+    for ref, target in zip("ABCDEFGH", targets):
+        panel.with_target(target.ref_id(ref))
+    return panel
+
+
+def quantiles(metric: str, selector: str, by: str, qs: tuple[float, ...]) -> list[Dataquery]:
+    """Quantiles of a histogram observed every step, over ``$__rate_interval``."""
+    return [query(f"histogram_quantile({q}, sum by (le, {by}) "
+                  f"(rate({metric}_bucket{{{selector}}}[$__rate_interval])))",
+                  f"{{{{{by}}}}} p{round(q * 100)}") for q in qs]
+
+
+def mean(metric: str, selector: str, by: str) -> Dataquery:
+    """Exact mean of a histogram's observations since each process started."""
+    return query(f"sum by ({by}) ({metric}_sum{{{selector}}}) / "
+                 f"sum by ({by}) ({metric}_count{{{selector}}})", f"{{{{{by}}}}}")
+
+
+def job_variable() -> QueryVariable:
+    return (QueryVariable("job").label("Job").datasource(DATASOURCE)
+            .query("label_values(ftsystem_epoch, job)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))
+
+
+def replica_variable() -> QueryVariable:
+    return (QueryVariable("replica").label("Replica").datasource(DATASOURCE)
+            .query(f"label_values(ftsystem_steps_committed_total{{{JOB}}}, replica)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.NATURAL_ASC)
+            .multi(True).include_all(True).all_value(".*"))
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[QueryVariable],
+              sections: list[tuple[str, list]]) -> Dashboard:
+    """A dashboard of rows of panels, linked to the other ftsystem dashboards."""
+    built = (Dashboard(title).uid(uid).description(description).tags([TAG])
+             .time("now-30m", "now").refresh("10s").timezone("browser")
+             .link(DashboardLink("ftsystem").type(DashboardLinkType.DASHBOARDS).tags([TAG])
+                   .as_dropdown(True).include_vars(True).keep_time(True)))
+    for variable in variables:
+        built.with_variable(variable)
+    panel_id = 0
+    for row_title, panels in sections:
+        panel_id += 1
+        built.with_row(Row(row_title).id(panel_id))
+        for panel in panels:
+            panel_id += 1
+            built.with_panel(panel.id(panel_id))
+    return built
+
+
+# --- the dashboards --------------------------------------------------------------------------
+
+def job_overview() -> Dashboard:
+    return dashboard("ftsystem-job", "ftsystem / Job overview",
+                     "Membership, progress, failures and stalls of one job.", [job_variable()], [
+        ("Membership", [
+            stat("Epoch", "Current membership epoch number.", f"max(ftsystem_epoch{{{JOB}}})"),
+            stat("Members", "Members of the current epoch.",
+                 f"max(ftsystem_epoch_members{{{JOB}}})"),
+            stat("Replica restarts", "Restarts counted by the agents since they started.",
+                 f"sum(ftsystem_replica_restarts_total{{{JOB}}})"),
+            stat("Leading controllers", "Controllers that say they lead: 1 when healthy.",
+                 f"sum(ftsystem_controller_is_leader{{{JOB}}})"),
+            timeseries("Replicas by state", "Registered replicas by state, as the controllers "
+                       "read them from etcd.", "none",
+                       query(f"max by (state) (ftsystem_replicas{{{JOB}}})", "{{state}}")),
+            timeseries("Membership changes by reason", "Epochs published by the leader, by "
+                       "reason, since it started leading.", "none",
+                       query(f"sum by (reason) (ftsystem_membership_changes_total{{{JOB}}})",
+                             "{{reason}}")),
+        ]),
+        ("Progress", [
+            timeseries("Steps per second", "Committed steps per second of each replica.",
+                       "none", query(f"sum by (replica) "
+                                     f"(rate(ftsystem_steps_committed_total{{{JOB}}}"
+                                     f"[$__rate_interval]))", "{{replica}}")),
+            timeseries("Membership decision latency", "From a registration change seen by the "
+                       "leader to its epoch published: quantiles over the decisions since the "
+                       "leader started.", "s",
+                       *[query(f"histogram_quantile({q}, sum by (le) "
+                               f"(ftsystem_membership_decision_seconds_bucket{{{JOB}}}))",
+                               f"p{round(q * 100)}") for q in (0.5, 0.99)]),
+        ]),
+        ("Failures and stalls", [
+            timeseries("Replica restarts", "Restarts of each replica by its agent.", "none",
+                       query(f"sum by (replica) (ftsystem_replica_restarts_total{{{JOB}}})",
+                             "{{replica}}"), width=8),
+            timeseries("Time stalled", "Fraction of the time each replica spends "
+                       "reconfiguring or waiting for an epoch.", "percentunit",
+                       query(f"sum by (replica) (rate(ftsystem_stall_seconds_total{{{JOB}}}"
+                             f"[$__rate_interval]))", "{{replica}}"), width=8),
+            timeseries("Epoch change time by reason", "Mean time of the members to enter a "
+                       "new epoch (reconfigure and state sync), since each process started.",
+                       "s", mean("ftsystem_epoch_change_seconds", JOB, "reason"), width=8),
+        ]),
+    ])
+
+
+def replica_detail() -> Dashboard:
+    return dashboard("ftsystem-replica", "ftsystem / Replica detail",
+                     "Steps, all-reduce and training signals of each replica.",
+                     [job_variable(), replica_variable()], [
+        ("Step and all-reduce", [
+            timeseries("Step duration", "Wall time between commits.", "s",
+                       *quantiles("ftsystem_step_duration_seconds", REPLICA, "replica",
+                                  (0.5, 0.9, 0.99)), width=8),
+            timeseries("FTAR duration", "Time of the successful fault-tolerant all-reduce.",
+                       "s", *quantiles("ftsystem_ftar_duration_seconds", REPLICA, "replica",
+                                       (0.5, 0.99)), width=8),
+            timeseries("FTAR failures", "All-reduce attempts that failed, since each replica "
+                       "process started.", "none",
+                       query(f"sum by (replica) (ftsystem_ftar_failures_total{{{REPLICA}}})",
+                             "{{replica}}"), width=8),
+        ]),
+        ("Training", [
+            timeseries("Training loss", "Last loss each replica committed.", "none",
+                       query(f"max by (replica) (ftsystem_training_loss{{{REPLICA}}})",
+                             "{{replica}}")),
+            timeseries("Samples per second", "Training samples committed per second.", "none",
+                       query(f"sum by (replica) (rate(ftsystem_samples_total{{{REPLICA}}}"
+                             f"[$__rate_interval]))", "{{replica}}")),
+        ]),
+    ])
+
+
+def catch_up() -> Dashboard:
+    return dashboard("ftsystem-catchup", "ftsystem / Catch-up",
+                     "How restarted replicas catch up with the job and rejoin it. A joiner "
+                     "process catches up once: its values are those of its catch-up.",
+                     [job_variable()], [
+        ("Catch-up", [
+            timeseries("Catch-up duration", "From a joiner's start of catch-up to ready.",
+                       "s", mean("ftsystem_catchup_duration_seconds", JOB, "replica")),
+            timeseries("Bytes fetched", "Bytes a joiner fetched from donors (snapshot and "
+                       "update log).", "bytes",
+                       query(f"sum by (replica) (ftsystem_catchup_bytes_total{{{JOB}}})",
+                             "{{replica}}")),
+            timeseries("Updates replayed", "Logged updates a replica replayed, in catch-up "
+                       "and in reconciliation at an epoch change.", "none",
+                       query(f"sum by (replica) "
+                             f"(ftsystem_catchup_steps_replayed_total{{{JOB}}})",
+                             "{{replica}}")),
+            timeseries("Join epoch change time", "Mean time of each member to enter an epoch "
+                       "published for a joiner (reconfigure and state sync).", "s",
+                       mean("ftsystem_epoch_change_seconds", f'{JOB}, reason="join"',
+                            "replica")),
+        ]),
+    ])
+
+
+DASHBOARDS = {"job-overview": job_overview, "replica-detail": replica_detail,
+              "catch-up": catch_up}
+"""File name (without ``.json``) to builder."""
+
+
+def render(built: Dashboard) -> str:
+    return json.dumps(built.build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def write_all(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, build in DASHBOARDS.items():
+        path = out_dir / f"{name}.json"
+        path.write_text(render(build()))
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", type=Path, default=OUT_DIR,
+                        help="directory for the JSON files (default: %(default)s)")
+    for path in write_all(parser.parse_args(argv).out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

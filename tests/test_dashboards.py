@@ -1,0 +1,164 @@
+"""Grafana dashboards: the committed JSON is what the generator makes, and every panel's query
+returns data from a real Prometheus scraping a real job found through the controller's service
+discovery."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import wait_for
+from ftsystem.etcd_server import free_port
+from ftsystem.faults import FaultPoint
+from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARDS = REPO / "dashboards"
+PROMETHEUS = Path("/usr/bin/prometheus")
+RATE_INTERVAL = "10s"
+"""Grafana's ``$__rate_interval`` is at least 4 scrape intervals (here 1 s)."""
+COMPONENTS = {"controller", "agent", "replica"}
+
+
+def committed() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def panel_targets(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every query of every panel, rows included."""
+    panels = [p for top in dashboard["panels"] for p in (top, *top.get("panels", []))]
+    return [(p["title"], t["refId"], t["expr"]) for p in panels for t in p.get("targets", [])]
+
+
+def test_committed_dashboards_are_current(tmp_path):
+    done = subprocess.run([sys.executable, str(DASHBOARDS / "generate.py"), "--out",
+                           str(tmp_path)], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, ("dashboards/generate.py failed (pip install -e '.[test]' "
+                                  f"installs the grafana-foundation-sdk it needs):\n{done.stderr}")
+    generated = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert generated == sorted(committed()), ("the generator makes other dashboards than those "
+                                              "committed: run python dashboards/generate.py")
+    stale = [name for name in generated
+             if (tmp_path / name).read_bytes() != (DASHBOARDS / name).read_bytes()]
+    assert not stale, f"{stale} differ from the generator's: run python dashboards/generate.py"
+
+
+def test_dashboards_use_the_provisioned_datasource():
+    provisioned = yaml.safe_load(
+        (DASHBOARDS / "provisioning/datasources/prometheus.yaml").read_text())["datasources"]
+    uids = {(d["type"], d["uid"]) for d in provisioned}
+    for name, dashboard in committed().items():
+        text = json.dumps(dashboard)
+        used = {(m["type"], m["uid"]) for m in
+                (json.loads(s) for s in re.findall(r'"datasource": (\{[^{}]*\})', text))}
+        assert used and used <= uids, f"{name} uses datasources {used}, provisioned: {uids}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
+    if not PROMETHEUS.exists():
+        pytest.skip(f"{PROMETHEUS} is not installed")
+    controller = free_port()
+    config = write_prometheus_config(tmp_path, f"http://127.0.0.1:{controller}/v1/sd/prometheus")
+    checked = subprocess.run([shutil.which("promtool") or "/usr/bin/promtool", "check",
+                              "config", str(config)], check=False, capture_output=True,
+                             text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    cfg = RunConfig(num_replicas=2, num_steps=300, etcd=etcd.url, job=job_id,
+                    out_dir=tmp_path / "run", kills=[ReplicaKill(1, FaultPoint(60, "step"))],
+                    train_args=["--sleep-per-step", "0.03"], controller_ports=[controller],
+                    show_progress=False)
+    prom = f"http://127.0.0.1:{free_port()}"
+    prometheus = start_prometheus(config, tmp_path, prom)
+    summaries: list[dict] = []
+    runner = threading.Thread(target=lambda: summaries.append(run_job(cfg)))
+    started = time.time()
+    runner.start()
+    try:
+        wait_for(lambda: _components_up(prom, job_id) >= COMPONENTS, 60,
+                 "Prometheus to scrape the controller, the agents and the replicas")
+        runner.join(120)
+        assert summaries, "the job did not end in time"
+        assert len(summaries[0]["failures"]) == 1, summaries[0]["failures"]
+        window = {"start": started, "end": time.time(), "step": 1}
+        check_variables(prom, job_id, window)
+        empty = [f"{name} / {title} / {ref}: {expr}"
+                 for name, dashboard in committed().items()
+                 for title, ref, expr in panel_targets(dashboard)
+                 if not _has_value(prom, _substitute(expr, job_id), window)]
+        assert not empty, "panels without data:\n" + "\n".join(empty)
+    finally:
+        runner.join(120)
+        prometheus.terminate()
+        try:
+            prometheus.wait(15)
+        except subprocess.TimeoutExpired:
+            prometheus.kill()
+            prometheus.wait()
+
+
+def start_prometheus(config: Path, directory: Path, url: str) -> subprocess.Popen:
+    with open(directory / "prometheus.log", "wb") as log:
+        return subprocess.Popen(
+            [str(PROMETHEUS), f"--config.file={config}",
+             f"--storage.tsdb.path={directory / 'tsdb'}",
+             f"--web.listen-address={url.removeprefix('http://')}"],
+            stdout=log, stderr=subprocess.STDOUT)
+
+
+def write_prometheus_config(directory: Path, discovery_url: str) -> Path:
+    path = directory / "prometheus.yml"
+    path.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [{"job_name": "ftsystem", "http_sd_configs": [
+            {"url": discovery_url, "refresh_interval": "1s"}]}],
+    }))
+    return path
+
+
+def check_variables(prom: str, job_id: str, window: dict) -> None:
+    """Each ``label_values(selector, label)`` variable offers this job's values."""
+    expected = {"job": {job_id}, "replica": {"r0", "r1"}}
+    for dashboard in committed().values():
+        for variable in dashboard["templating"]["list"]:
+            selector, label = re.fullmatch(r"label_values\((.+), (\w+)\)",
+                                           variable["query"]).groups()
+            values = httpx.get(f"{prom}/api/v1/label/{label}/values", params={
+                "match[]": _substitute(selector, job_id), "start": window["start"],
+                "end": window["end"]}).json()["data"]
+            assert expected[label] <= set(values), (variable["name"], values)
+
+
+def _substitute(expr: str, job_id: str) -> str:
+    return (expr.replace("$__rate_interval", RATE_INTERVAL).replace("$job", job_id)
+            .replace("$replica", ".*"))
+
+
+def _has_value(prom: str, expr: str, window: dict) -> bool:
+    """Whether the query yields a number (not NaN) at some time of the run."""
+    reply = httpx.get(f"{prom}/api/v1/query_range", params={"query": expr, **window}).json()
+    assert reply["status"] == "success", (expr, reply)
+    return any(math.isfinite(float(v)) for series in reply["data"]["result"]
+               for _, v in series["values"])
+
+
+def _components_up(prom: str, job_id: str) -> set[str]:
+    """The components of the job that Prometheus has scraped successfully."""
+    try:
+        targets = httpx.get(f"{prom}/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
+    except (httpx.HTTPError, ValueError):  # not listening, or not ready yet
+        return set()
+    return {t["labels"]["component"] for t in targets
+            if t["labels"].get("job") == job_id and t["health"] == "up"}
