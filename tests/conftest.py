@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import subprocess
+import sys
 import time
-from typing import Callable, TypeVar
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import httpx
 
 import pytest
 
-from ftsystem.etcd_server import EmbeddedEtcd
+from ftsystem.etcd_server import EmbeddedEtcd, free_port
 
 T = TypeVar("T")
 _job_ids = itertools.count()
@@ -39,3 +45,29 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, poll: float 
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def serving(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def controller_process(etcd_url: str, job: str, log_dir: Path,
+                       env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real ``ftsystem controller`` for ``job``; yields its base URL once it serves."""
+    port = free_port()
+    with open(log_dir / "controller.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
+                                 etcd_url, "--job", job, "--port", str(port)],
+                                env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: serving(f"{base}/healthz"), 60, "the controller to serve")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)

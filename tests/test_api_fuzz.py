@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -23,10 +20,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import (content_type_conformance, not_a_server_error,
                                  response_headers_conformance, response_schema_conformance)
 
-from conftest import wait_for
+from conftest import controller_process, wait_for
 from controller.auth import ENV_TOKEN
 from ftsystem import keys
-from ftsystem.etcd_server import free_port
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.store import Store
 
@@ -59,20 +55,8 @@ async def _job_with_replicas(etcd_url: str, job: str) -> None:
 @pytest.fixture
 def controller(etcd, job_id, tmp_path):
     asyncio.run(_job_with_replicas(etcd.url, job_id))
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
-                             etcd.url, "--job", job_id, "--port", str(port)],
-                            env={**os.environ, ENV_TOKEN: TOKEN, **UNLIMITED},
-                            stdout=open(tmp_path / "controller.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        schema = schemathesis.openapi.from_url(f"{base}/openapi.json", wait_for_schema=60)
-        yield base, schema
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        print((tmp_path / "controller.log").read_text()[-5000:])
+    with controller_process(etcd.url, job_id, tmp_path, {ENV_TOKEN: TOKEN, **UNLIMITED}) as base:
+        yield base, schemathesis.openapi.from_url(f"{base}/openapi.json")
 
 
 def test_no_server_errors_and_responses_match_schema(controller, job_id):

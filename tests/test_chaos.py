@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,11 +13,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import wait_for
+from conftest import controller_process, wait_for
 from ftsystem import keys
 from ftsystem.chaos import ChaosSpecError, expand, parse_spec, slow_pattern
 from ftsystem.cli import app
-from ftsystem.etcd_server import free_port
 from ftsystem.store import Store
 
 
@@ -84,12 +82,16 @@ def _ticks(path) -> list[float]:
     return [float(line) for line in path.read_text().split()]
 
 
-def _orders(etcd_url: str, job: str) -> list[dict]:
+def _values(etcd_url: str, prefix: str) -> list[dict]:
     async def read():
         async with Store(etcd_url) as store:
-            items, _ = await store.get_prefix(keys.chaos_orders(job))
+            items, _ = await store.get_prefix(prefix)
         return [json.loads(v) for v in items.values()]
     return asyncio.run(read())
+
+
+def _orders(etcd_url: str, job: str) -> list[dict]:
+    return _values(etcd_url, keys.chaos_orders(job))
 
 
 def _apply(tmp_path, etcd, job_id, text: str) -> None:
@@ -124,19 +126,12 @@ def test_agent_executes_hang_slow_and_kill(etcd, job_id, tmp_path):
         _apply(tmp_path, etcd, job_id, "action: kill")
         wait_for(lambda: sum(o["state"] == "done" for o in _orders(etcd.url, job_id)) == 3,
                  30, "the kill to be executed")
-        failures = wait_for(lambda: _failures(etcd.url, job_id), 30, "the failure record")
+        failures = wait_for(lambda: _values(etcd.url, keys.failures(job_id)), 30,
+                            "the failure record")
         assert failures[0]["reason"] == "killed by SIGKILL"
     finally:
         agent.terminate()
         agent.wait(30)
-
-
-def _failures(etcd_url: str, job: str) -> list[dict]:
-    async def read():
-        async with Store(etcd_url) as store:
-            items, _ = await store.get_prefix(keys.failures(job))
-        return [json.loads(v) for v in items.values()]
-    return asyncio.run(read())
 
 
 def test_chaos_apply_refuses_a_bad_spec(tmp_path, etcd, job_id):
@@ -150,29 +145,12 @@ def test_chaos_apply_refuses_a_bad_spec(tmp_path, etcd, job_id):
 
 @pytest.fixture
 def secured_controller(etcd, job_id, tmp_path):
-    port = free_port()
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    env = {**os.environ, "FTSYSTEM_API_TOKEN_FILE": str(token_file)}
-    log = open(tmp_path / "controller.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
-                             etcd.url, "--job", job_id, "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _reachable(f"{base}/healthz"), 60, "the controller")
+    with controller_process(etcd.url, job_id, tmp_path,
+                            {"FTSYSTEM_API_TOKEN_FILE": str(token_file)}) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
     assert b"s3cret" not in (tmp_path / "controller.log").read_bytes()  # never logged
-
-
-def _reachable(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_chaos_api_needs_the_token_and_validates(secured_controller, etcd, job_id):

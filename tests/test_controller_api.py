@@ -3,40 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from conftest import wait_for
+from conftest import controller_process, wait_for
 from ftsystem import keys
-from ftsystem.etcd_server import free_port
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.store import Store
 
 
 @pytest.fixture
 def controller(etcd, job_id, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
-                             etcd.url, "--job", job_id, "--port", str(port)],
-                            stdout=open(tmp_path / "controller.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _get(f"{base}/healthz"), 60, "the controller to serve")
+    with controller_process(etcd.url, job_id, tmp_path) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _get(url: str) -> httpx.Response | None:
-    try:
-        return httpx.get(url, timeout=2)
-    except httpx.HTTPError:
-        return None
 
 
 async def _register(etcd_url: str, job: str, rids: list[str]) -> dict[str, int]:
