@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torchft.process_group import ProcessGroupGloo
+from torchft.process_group import ProcessGroupGloo, create_store_client
 
 from ftsystem.membership import Epoch
-from ftsystem.runtime import ControlPlane, Heartbeat
+from ftsystem.runtime import ControlPlane
 
 POLL_S = 0.002
 
@@ -55,14 +55,12 @@ def plan_state_sync(steps: list[int], fresh: list[bool]) -> tuple[int, list[int]
 class FaultTolerantAllReduce:
     """The cross-replica group of one shard index, rebuilt for every epoch."""
 
-    def __init__(self, control: ControlPlane, heartbeat: Heartbeat, *, shard_index: int = 0,
-                 timeout_s: float) -> None:
-        self.control, self.heartbeat = control, heartbeat
+    def __init__(self, control: ControlPlane, *, shard_index: int = 0, timeout_s: float) -> None:
+        self.control = control
         self.shard_index = shard_index
         self.timeout_s = timeout_s
         self.epoch: Epoch | None = None
         self._pg: ProcessGroupGloo | None = None
-        self.step = 0  # only for the heartbeat's content
 
     @property
     def rank(self) -> int:
@@ -73,18 +71,25 @@ class FaultTolerantAllReduce:
         return len(self.epoch.members)
 
     def configure(self, epoch: Epoch) -> None:
-        """Build the group of ``epoch``; returns when every member has joined it."""
+        """Build the group of ``epoch``; returns when every member has joined it.
+
+        Gloo's own rendezvous cannot be interrupted, and a rendezvous left waiting (its epoch
+        superseded) has been seen to abort the process when the store's host died later. So
+        the members first meet at an interruptible barrier in the epoch's store, and start
+        Gloo's rendezvous only once all have arrived: then it completes at once.
+        """
         self.abort()
         ctx = self.control.ctx
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s))
+        rank, world = epoch.rank_of(ctx.replica_id), len(epoch.members)
         addr = f"{epoch.store_addr}/ftsystem/{ctx.job}/epoch/{epoch.number}/shard/{self.shard_index}"
+        self._barrier(addr, rank, world, epoch)
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s))
         done = threading.Event()
         errors: list[BaseException] = []
 
         def rendezvous() -> None:
             try:
-                pg.configure(addr, ctx.replica_id, epoch.rank_of(ctx.replica_id),
-                             len(epoch.members))
+                pg.configure(addr, ctx.replica_id, rank, world)
             except BaseException as e:  # reported to the waiting thread
                 errors.append(e)
             finally:
@@ -92,13 +97,24 @@ class FaultTolerantAllReduce:
 
         threading.Thread(target=rendezvous, daemon=True, name="ftar-rendezvous").start()
         try:
-            self._wait(done, epoch)
+            self._wait(lambda: done.wait(POLL_S), epoch)
             if errors:
                 raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {errors[0]}")
         except (EpochChanged, CollectiveFailed):
-            pg.abort(errored=False)
+            if done.is_set():  # tearing down a group still connecting aborts the process
+                pg.abort(errored=False)
             raise
         self._pg, self.epoch = pg, epoch
+
+    def _barrier(self, addr: str, rank: int, world: int, epoch: Epoch) -> None:
+        try:
+            store = create_store_client(f"{addr}/arrived", timedelta(seconds=self.timeout_s))
+            store.set(str(rank), "1")
+            everyone = [str(r) for r in range(world)]
+            self._wait(lambda: store.check(everyone) or time.sleep(POLL_S), epoch)
+        except (RuntimeError, ValueError) as e:  # the store's host is gone (DistNetworkError)
+            raise CollectiveFailed(f"epoch {epoch.number}: rendezvous store unreachable: {e}") \
+                from e
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
                       ) -> None:
@@ -128,17 +144,17 @@ class FaultTolerantAllReduce:
             on_issued()
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        self._wait(done, self.epoch)
+        self._wait(lambda: done.wait(POLL_S), self.epoch)
         try:
             future.wait()
         except RuntimeError as e:
             raise CollectiveFailed(f"collective in epoch {self.epoch.number} failed: {e}") from e
 
-    def _wait(self, done: threading.Event, epoch: Epoch) -> None:
-        """Wait for ``done``; a newer epoch or the timeout interrupts the wait."""
+    def _wait(self, ready: Callable[[], bool], epoch: Epoch) -> None:
+        """Poll ``ready`` (which may block up to ``POLL_S``) until it holds; a newer epoch or
+        the timeout interrupts the wait."""
         deadline = time.monotonic() + self.timeout_s
-        while not done.wait(POLL_S):
-            self.heartbeat.beat(self.step)
+        while not ready():
             latest = self.control.epoch
             if latest is not None and latest.number > epoch.number:
                 raise EpochChanged(f"epoch {latest.number} superseded {epoch.number}")

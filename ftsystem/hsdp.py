@@ -74,14 +74,14 @@ class FTReplica:
         self.epochs: list[dict] = []
         """Every epoch this process entered: number, reason, wall time, seconds it took."""
         self._fresh = True  # never synced: its state may differ from the job's
+        self._member_state = ReplicaState.MEMBER  # DONE once finished: others must see it
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
         self.faults = FaultSchedule.from_env()
         # The rendezvous store for the epochs this replica leads (it is members[0]).
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
                                          wait_for_workers=False)
-        self.ftar = FaultTolerantAllReduce(self.control, self.heartbeat,
-                                           timeout_s=self.ctx.timeout_s)
+        self.ftar = FaultTolerantAllReduce(self.control, timeout_s=self.ctx.timeout_s)
         self._params = [p for p in model.parameters() if p.requires_grad]
         # Catch-up material this replica can donate, and what it learnt catching up itself.
         self.update_log = UpdateLog(int(os.environ.get(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES)))
@@ -181,7 +181,6 @@ class FTReplica:
     def _committed(self) -> None:
         """Count a committed step: ``self.step`` is the number of committed steps."""
         self.step += 1
-        self.ftar.step = self.step
         now = time.monotonic()
         metrics.STEPS.labels(*self._labels).inc()
         metrics.STEP_DURATION.labels(*self._labels).observe(now - self._last_commit)
@@ -230,7 +229,7 @@ class FTReplica:
                                     "time": time.time(), "seconds": took,
                                     "members": list(epoch.members)})
                 metrics.EPOCH_CHANGE.labels(*self._labels, epoch.reason).observe(took)
-                self.control.register(state=ReplicaState.MEMBER, step=self.step)
+                self.control.register(state=self._member_state, step=self.step)
                 return replaced
         finally:
             metrics.STALL.labels(*self._labels).inc(time.monotonic() - started)
@@ -239,7 +238,6 @@ class FTReplica:
         me = self.ctx.replica_id
         while True:
             epoch = self.control.wait_for_epoch(newer_than, WAIT_POLL_S)
-            self.heartbeat.beat(self.step)
             if epoch is None:
                 self._replay_from_donor()  # a joiner stays current while it waits
                 continue
@@ -312,7 +310,7 @@ class FTReplica:
         """Apply a logged update of a peer: this replica commits the same step bit for bit."""
         self._apply_update(update)
         self.step += 1
-        self.ftar.step = self.step
+        self.heartbeat.beat(self.step)
         self.update_log.append(self.step, update.clone())
         metrics.CATCHUP_STEPS.labels(*self._labels).inc()
 
@@ -326,7 +324,7 @@ class FTReplica:
         self.update_log.clear()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
-        self.step = self.ftar.step = state["step"]
+        self.step = state["step"]
         self.heartbeat.beat(self.step)
 
     # --- catch-up (joiner side) -------------------------------------------------------------
@@ -352,7 +350,7 @@ class FTReplica:
                     self._fresh = False
                     stats.update(bytes=stats["bytes"] + nbytes, snapshot_step=step)
                     metrics.CATCHUP_BYTES.labels(*self._labels).inc(nbytes)
-                    self._sleep_beating(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
+                    time.sleep(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
                     head = self._replay_from(addr)
             except DonorUnavailableError as e:
                 log.warning("replica %s: donor %s failed (%s); asking for another",
@@ -367,12 +365,6 @@ class FTReplica:
         log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
                  self.step, donor, stats)
 
-    def _sleep_beating(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self.heartbeat.beat(self.step)
-            time.sleep(min(WAIT_POLL_S, seconds))
-
     def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
         """Wait for the leader to name a donor (not one in ``avoid``); None: there is none.
 
@@ -385,7 +377,6 @@ class FTReplica:
             assignment = self.control.get_json(key)
             if assignment is not None and assignment["donor"] not in avoid:
                 return assignment["donor"], assignment["state_addr"]
-            self.heartbeat.beat(self.step)
             time.sleep(WAIT_POLL_S)
         return None, ""
 
@@ -423,6 +414,7 @@ class FTReplica:
         A replica still restarting when the others reach the last step needs a peer to load
         the final state from; the done replicas keep entering epochs that contain it.
         """
+        self._member_state = ReplicaState.DONE
         self.control.register(state=ReplicaState.DONE, step=self.step)
         deadline = time.monotonic() + linger_s
         while time.monotonic() < deadline:
@@ -430,11 +422,9 @@ class FTReplica:
             latest = self.control.epoch
             if latest.number > self.ftar.epoch.number and self._needs_donor(latest, registrations):
                 self._enter_epoch(newer_than=self.ftar.epoch.number)
-                self.control.register(state=ReplicaState.DONE, step=self.step)
             elif not any(registrations.get(rid) is None or
                          registrations[rid].state != ReplicaState.DONE for rid in agents):
                 return
-            self.heartbeat.beat(self.step)
             time.sleep(WAIT_POLL_S)
         log.warning("replica %s: stragglers still not done after %.0f s", self.ctx.replica_id,
                     linger_s)

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import os
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Coroutine, TypeVar
@@ -33,6 +34,7 @@ ENV_HOST = "FTSYSTEM_HOST"
 ENV_TIMEOUT = "FTSYSTEM_TIMEOUT_S"
 ENV_KILL_AT = "FTSYSTEM_KILL_AT"
 DEFAULT_TIMEOUT_S = 30.0
+HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,15 +89,30 @@ class BackgroundLoop:
 
 
 class Heartbeat:
-    """The file the agent's step watchdog reads: its mtime is liveness, its content the step."""
+    """The file the agent's watchdog reads: its mtime is liveness, its content the last step.
+
+    A daemon thread writes it every ``HEARTBEAT_S``, so a long forward/backward pass of a big
+    model is not mistaken for a hang, while a stopped or frozen process (SIGSTOP, a stuck
+    host) stops writing it. A main thread stuck in a collective is bounded by FTAR's own
+    timeout instead.
+    """
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
+        self._step = 0
+        if self._fd is not None:
+            threading.Thread(target=self._write_forever, daemon=True,
+                             name="ftsystem-heartbeat").start()
 
     def beat(self, step: int) -> None:
-        if self._fd is not None:
-            data = f"{step}\n".encode()
-            os.pwrite(self._fd, data.ljust(24), 0)  # fixed width: no truncate needed
+        """Record progress; the file shows it at the next write."""
+        self._step = step
+
+    def _write_forever(self) -> None:
+        while True:
+            # fixed width: no truncate needed
+            os.pwrite(self._fd, f"{self._step}\n".encode().ljust(24), 0)
+            time.sleep(HEARTBEAT_S)
 
 
 class ControlPlane:

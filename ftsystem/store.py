@@ -119,25 +119,33 @@ class Store:
             self._client = aetcd.Client(ep.host, ep.port, timeout=RPC_TIMEOUT_S)
         return self._client
 
-    async def _rotate(self) -> None:
-        """Drop the current connection and move on to the next endpoint."""
-        await self.close()
-        self._index += 1
+    async def _rotate(self, failed: aetcd.Client) -> None:
+        """Drop a failed connection and move on to the next endpoint.
+
+        Several tasks share the connection: only the first to see it fail replaces it; the
+        others' calls on it end (cancelled by its close) and retry on the new one.
+        """
+        if self._client is failed:
+            self._client = None
+            self._index += 1
+            await failed.close()
 
     async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_deadline_s
         delay = 0.05
         while True:
+            client = self._ensure_client()
             try:
                 return await op()
-            except _TRANSIENT as e:
+            except (*_TRANSIENT, asyncio.CancelledError) as e:
+                _reraise_real_cancellation(e)
                 if loop.time() + delay > deadline:
                     raise StoreUnavailableError(
                         f"etcd unreachable at {self} for {self.retry_deadline_s:.0f} s ({e}); "
                         "start it (`ftsystem etcd`) or pass the right --etcd URL") from e
                 log.debug("etcd transient error (%s); retrying in %.2fs", e, delay)
-                await self._rotate()
+                await self._rotate(client)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
             except etcd_errors.ClientError as e:
@@ -243,25 +251,31 @@ class Store:
     # --- watches ---------------------------------------------------------------------------
 
     async def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncIterator[WatchEvent]:
-        """Events under ``prefix`` from ``start_revision`` on, resuming after reconnects."""
+        """Events under ``prefix`` from ``start_revision`` on, until the caller stops iterating.
+
+        A broken stream (an outage, or another task's reconnect closing the shared channel)
+        is resumed from the revision after the last event delivered.
+        """
         next_revision = start_revision
         while True:
+            client = self._ensure_client()
             try:
-                client = self._ensure_client()
                 watch = await client.watch_prefix(prefix.encode(), start_revision=next_revision)
                 async for event in watch:
                     kv = event.kv
                     next_revision = kv.mod_revision + 1
                     yield WatchEvent(event.kind, kv.key.decode(), kv.value, kv.mod_revision)
-                return  # the watch was cancelled
+                reason: BaseException = ConnectionError("the watch stream ended")
             except etcd_errors.RevisionCompactedError as e:
                 raise StoreError(f"watch of {prefix} fell behind compaction ({e}); re-read "
                                  "the prefix and watch again") from e
-            except (*_TRANSIENT, aetcd.rpc.AioRpcError) as e:
-                log.info("watch of %s interrupted (%s); resuming from revision %d",
-                         prefix, e, next_revision)
-                await self._rotate()
-                await self._wait_reachable()
+            except (*_TRANSIENT, aetcd.rpc.AioRpcError, asyncio.CancelledError) as e:
+                _reraise_real_cancellation(e)
+                reason = e
+            log.info("watch of %s interrupted (%s); resuming from revision %d",
+                     prefix, reason, next_revision)
+            await self._rotate(client)
+            await self._wait_reachable()
 
     async def _wait_reachable(self) -> None:
         """A watch outlives any outage: wait for etcd however long it takes."""
@@ -305,6 +319,14 @@ class HeldKey:
             await self.store.revoke(self.lease)
         except StoreError:
             pass  # it expires by itself
+
+
+def _reraise_real_cancellation(error: BaseException) -> None:
+    """gRPC raises CancelledError in calls whose channel another task closed (a reconnect):
+    that is a transient failure. A cancellation of the task itself must propagate."""
+    task = asyncio.current_task()
+    if isinstance(error, asyncio.CancelledError) and task is not None and task.cancelling():
+        raise error
 
 
 def _bytes(value: bytes | str) -> bytes:
