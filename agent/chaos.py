@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Callable
 
-from ftsystem import keys
+from ftsystem import keys, metrics
 from ftsystem.chaos import Order, slow_pattern
 from ftsystem.procs import signal_group
 from ftsystem.store import Store
@@ -58,6 +58,7 @@ class ChaosExecutor:
             outcome = await self._act(order, pids)
             state = "done"
         log.info("chaos %s: %s %s -> %s", order.id, order.action, self.replica_id, outcome)
+        metrics.FAILURES_INJECTED.labels(self.job, order.action, state).inc()
         done = dataclasses.replace(order, state=state, outcome=outcome, executed_at=executed_at)
         await self.store.put(keys.chaos(self.job, order.id), done.to_json())
 

@@ -21,6 +21,8 @@ DECISION_LATENCY = Histogram("ftsystem_membership_decision_seconds",
 IS_LEADER = Gauge("ftsystem_controller_is_leader", "1 on the leading controller", ["job"])
 
 # --- agent ---
+FAILURES_INJECTED = Counter("ftsystem_failures_injected_total",
+                            "Chaos orders executed, by action and state", ["job", "action", "state"])
 REPLICA_RESTARTS = Counter("ftsystem_replica_restarts_total", "Replica restarts by the agent",
                            ["job", "replica"])
 
