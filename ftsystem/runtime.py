@@ -105,13 +105,17 @@ class Heartbeat:
                              name="ftsystem-heartbeat").start()
 
     def beat(self, step: int) -> None:
-        """Record progress; the file shows it at the next write."""
+        """Record progress at once: the agent reads the step of a replica that just died."""
         self._step = step
+        self._write()
+
+    def _write(self) -> None:
+        if self._fd is not None:  # fixed width: no truncate needed
+            os.pwrite(self._fd, f"{self._step}\n".encode().ljust(24), 0)
 
     def _write_forever(self) -> None:
         while True:
-            # fixed width: no truncate needed
-            os.pwrite(self._fd, f"{self._step}\n".encode().ljust(24), 0)
+            self._write()
             time.sleep(HEARTBEAT_S)
 
 
