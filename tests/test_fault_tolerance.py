@@ -168,15 +168,19 @@ def test_agent_leaves_no_orphans(etcd, job_id, tmp_path, sig):
 
 
 def _descendants(pid: int) -> set[int]:
-    children = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        children |= {int(c) for c in text}
-    for child in set(children):
+    """Every live descendant of ``pid`` (threads and processes may vanish while we look)."""
+    children: set[int] = set()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return children
+    for task in tasks:
         try:
-            children |= _descendants(child)
+            children |= {int(c) for c in (task / "children").read_text().split()}
         except FileNotFoundError:
-            pass
+            continue
+    for child in set(children):
+        children |= _descendants(child)
     return children
 
 
