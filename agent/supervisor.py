@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.chaos import ChaosExecutor
+from agent.chaos import replica_executor
 from ftsystem import keys, metrics, runtime
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
@@ -86,7 +86,7 @@ class Agent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
         await self.record.set(self._record_value())
-        chaos = ChaosExecutor(self.store, self.cfg.job, self.cfg.replica_id, self._running_pids)
+        chaos = replica_executor(self.store, self.cfg.job, self.cfg.replica_id, self._running_pids)
         background = [asyncio.create_task(self.record.hold()), asyncio.create_task(chaos.run())]
         try:
             return await self._supervise()
@@ -217,10 +217,21 @@ class Agent:
             for rank, path in enumerate(heartbeats):
                 try:
                     age = now - path.stat().st_mtime
+                    if runtime.DONE_MARK in path.read_text():
+                        continue  # finished: tearing down is not hanging
                 except FileNotFoundError:
                     continue  # not started beating yet (importing, loading)
                 if age > self.cfg.watchdog_s:
+                    await self._dump_stacks(rank)
                     return f"rank {rank} hung: no heartbeat for {age:.0f}s"
+
+    async def _dump_stacks(self, rank: int) -> None:
+        """Ask the hung rank for its Python stacks (SIGUSR1, see ``runtime.Heartbeat``)."""
+        try:
+            os.kill(self.children[rank].pid, signal.SIGUSR1)
+        except (ProcessLookupError, IndexError):
+            return
+        await asyncio.sleep(0.5)
 
     async def _forward_stop(self) -> None:
         for child in self.children:

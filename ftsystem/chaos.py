@@ -3,7 +3,8 @@
 A spec says what to do (``action``), to whom (``selector`` and ``mode``), for how long
 (``duration``) and when (``schedule``)::
 
-    action: hang            # kill | hang | slow
+    action: hang            # kill | hang | slow | partition | controller-kill | etcd-member-kill
+                            # or a list, e.g. [kill, hang, partition]: each firing picks one
     mode: one               # one | fixed | percent
     value: 1                # how many (fixed) or which share (percent) of the selected
     selector: {replicas: [r1, r2]}   # default: every replica of the job
@@ -28,7 +29,12 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-ACTIONS = ("kill", "hang", "slow")
+REPLICA_ACTIONS = ("kill", "hang", "slow", "partition")
+"""Executed by the agent of the targeted replica."""
+SERVICE_ACTIONS = ("controller-kill", "etcd-member-kill")
+"""Executed by whoever supervises the services (``ftsystem run``); they target no replica."""
+ACTIONS = REPLICA_ACTIONS + SERVICE_ACTIONS
+NEEDS_DURATION = ("hang", "slow", "partition")
 MODES = ("one", "fixed", "percent")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -55,7 +61,8 @@ def parse_duration(text: Any, what: str) -> float:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChaosSpec:
-    action: str
+    actions: tuple[str, ...]
+    """One action, or several: then each firing picks one (seeded)."""
     mode: str = "one"
     value: float = 1
     replicas: tuple[str, ...] = ()
@@ -71,13 +78,27 @@ class ChaosSpec:
 
 def parse_spec(text: str) -> ChaosSpec:
     """Parse and validate a YAML or JSON spec; raises :class:`ChaosSpecError` with the reason."""
+    specs = parse_specs(text)
+    if len(specs) != 1:
+        raise ChaosSpecError(f"expected one spec, found {len(specs)} YAML documents")
+    return specs[0]
+
+
+def parse_specs(text: str) -> list[ChaosSpec]:
+    """Every spec of a file: one, or several YAML documents separated by ``---``."""
     try:
-        raw = yaml.safe_load(text)
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
         raise ChaosSpecError(f"not YAML or JSON: {e}") from e
-    if not isinstance(raw, dict):
+    if not documents or not all(isinstance(d, dict) for d in documents):
         raise ChaosSpecError("a chaos spec is a mapping with at least an 'action' key")
-    return spec_from_mapping(raw)
+    specs = []
+    for i, raw in enumerate(documents):
+        try:
+            specs.append(spec_from_mapping(raw))
+        except ChaosSpecError as e:
+            raise ChaosSpecError(f"spec {i + 1}: {e}" if len(documents) > 1 else str(e)) from e
+    return specs
 
 
 def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
@@ -85,9 +106,7 @@ def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
              "slow_fraction"}
     if unknown := sorted(set(raw) - known):
         raise ChaosSpecError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    action = raw.get("action")
-    if action not in ACTIONS:
-        raise ChaosSpecError(f"action must be one of {', '.join(ACTIONS)}, not {action!r}")
+    actions = _actions(raw.get("action"))
     mode = raw.get("mode", "one")
     if mode not in MODES:
         raise ChaosSpecError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -95,14 +114,22 @@ def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
     if (mode == "percent" and not 0 < value <= 100) or (mode == "fixed" and value < 1):
         raise ChaosSpecError(f"value {value} does not fit mode {mode}")
     duration = parse_duration(raw.get("duration", 0), "duration")
-    if action in ("hang", "slow") and duration <= 0:
-        raise ChaosSpecError(f"action {action} needs a positive duration, e.g. duration: 5s")
+    if needing := [a for a in actions if a in NEEDS_DURATION and duration <= 0]:
+        raise ChaosSpecError(f"action {needing[0]} needs a positive duration, e.g. duration: 5s")
     every, mtbf = _schedule(raw.get("schedule"))
-    return ChaosSpec(action=action, mode=mode, value=value, replicas=_selector(raw),
+    return ChaosSpec(actions=actions, mode=mode, value=value, replicas=_selector(raw),
                      duration_s=duration, every_s=every, mtbf_s=mtbf,
                      horizon_s=parse_duration(raw.get("horizon", "300s"), "horizon"),
                      seed=int(_number(raw.get("seed", 0), "seed")),
                      slow_fraction=_fraction(raw.get("slow_fraction", 0.5)))
+
+
+def _actions(action: Any) -> tuple[str, ...]:
+    actions = tuple(action) if isinstance(action, list) else (action,)
+    if not actions or any(not isinstance(a, str) or a not in ACTIONS for a in actions):
+        raise ChaosSpecError(f"action must be one of {', '.join(ACTIONS)} or a list of them, "
+                             f"not {action!r}")
+    return actions
 
 
 def _number(value: Any, what: str) -> float:
@@ -155,6 +182,7 @@ class Order:
     id: str
     action: str
     replica: str
+    """The targeted replica; empty for a service action (``SERVICE_ACTIONS``)."""
     at: float
     """Unix time at which the agent acts."""
     duration_s: float = 0.0
@@ -181,8 +209,10 @@ def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str) -
     rng = random.Random(spec.seed)
     orders = []
     for i, at in enumerate(_times(spec, now, rng)):
-        for replica in _choose(spec, pool, rng):
-            orders.append(Order(id=f"{name}-{i:04d}-{replica}", action=spec.action,
+        action = spec.actions[0] if len(spec.actions) == 1 else rng.choice(spec.actions)
+        targets = [""] if action in SERVICE_ACTIONS else _choose(spec, pool, rng)
+        for replica in targets:
+            orders.append(Order(id=f"{name}-{i:04d}-{replica or action}", action=action,
                                 replica=replica, at=at, duration_s=spec.duration_s,
                                 slow_fraction=spec.slow_fraction))
         if len(orders) > MAX_ORDERS:
@@ -219,15 +249,20 @@ def slow_pattern(duration_s: float, fraction: float) -> list[tuple[float, float]
 
 
 
-async def submit(store, job: str, spec: ChaosSpec, name: str, *, now: float) -> list[Order]:
-    """Expand ``spec`` against the job's replicas (those with an agent) and store the orders.
+async def submit(store, job: str, specs: ChaosSpec | Sequence[ChaosSpec], name: str, *,
+                 now: float) -> list[Order]:
+    """Expand ``specs`` against the job's replicas (those with an agent) and store the orders.
 
     The one I/O function of this module, shared by ``ftsystem chaos apply``, ``ftsystem run
-    --chaos`` and ``POST /v1/jobs/{job}/chaos``; nothing is stored if expansion fails.
+    --chaos`` and ``POST /v1/jobs/{job}/chaos``; nothing is stored if any expansion fails.
     """
     from ftsystem import keys
+    specs = [specs] if isinstance(specs, ChaosSpec) else list(specs)
     agents, _ = await store.get_prefix(keys.agents(job))
-    orders = expand(spec, sorted(keys.last_segment(k) for k in agents), now=now, name=name)
+    replicas = sorted(keys.last_segment(k) for k in agents)
+    orders = [order for i, spec in enumerate(specs)
+              for order in expand(spec, replicas, now=now,
+                                  name=name if len(specs) == 1 else f"{name}-s{i}")]
     for order in orders:
         await store.put(keys.chaos(job, order.id), order.to_json())
     return orders

@@ -28,6 +28,14 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def _timeouts(timeout_s: float):
+    from ftsystem.timeouts import TimeoutConfigError, Timeouts
+    try:
+        return Timeouts(timeout_s)
+    except TimeoutConfigError as e:
+        raise typer.BadParameter(str(e), param_hint="--timeout") from e
+
+
 def _check_id(kind: str, value: str) -> str:
     from ftsystem.keys import InvalidIdError, check_id
     try:
@@ -89,9 +97,8 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
           nproc_per_replica: int = typer.Option(1, min=1, help="ranks per replica"),
           kill_at: List[str] = typer.Option([], help="kill the replica at STEP[:PHASE]"),
           max_restarts: int = typer.Option(20, min=0),
-          watchdog: Optional[float] = typer.Option(
-              None, help="seconds without heartbeat = hung (default: timeout / 3)"),
-          timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S)"),
+          timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S): "
+                                        "watchdog and lease TTL are a third of it"),
           host: str = typer.Option("127.0.0.1", help="address peers reach this replica at")
           ) -> None:
     """Supervise one replica: launch its ranks, hold its lease, restart it on failure."""
@@ -107,10 +114,12 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
     from ftsystem.store import StoreError
+    timeouts = _timeouts(timeout)
     os.environ[ENV_TIMEOUT] = str(timeout)
     cfg = AgentConfig(etcd=etcd, job=job, replica_id=replica_id, command=command,
                       num_procs=nproc_per_replica, max_restarts=max_restarts,
-                      watchdog_s=watchdog or timeout / 3, kill_at=points, host=host)
+                      watchdog_s=timeouts.watchdog_s, lease_ttl_s=timeouts.lease_ttl_s,
+                      kill_at=points, host=host)
     try:
         code = run_agent(cfg)
     except (StoreError, ValueError) as e:
@@ -134,6 +143,10 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         port: int = typer.Option(0, help="controller REST port (0: free port)"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary here"),
         chaos: Optional[Path] = typer.Option(None, help="a chaos spec (YAML/JSON) to inject"),
+        netns: bool = typer.Option(False, help="run each replica's agent in its own network "
+                                   "namespace (root; needed by the partition action)"),
+        etcd_members: int = typer.Option(1, min=1, help="members of the embedded etcd "
+                                         "(3 for etcd-member-kill)"),
         mtbf: Optional[str] = typer.Option(None, help="kill a random replica with this mean "
                                                       "time between failures, e.g. 30s"),
         ) -> None:
@@ -141,6 +154,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
     from ftsystem.launcher import RunConfig, parse_replica_kill, run_job
     from ftsystem.report import print_table, write_json
     _check_id("job", job)
+    _timeouts(timeout)
     if min_replicas > replicas:
         raise typer.BadParameter(f"{min_replicas} > --replicas {replicas}",
                                  param_hint="--min-replicas")
@@ -148,21 +162,27 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         kills = [parse_replica_kill(k, replicas) for k in kill_at]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
-    from ftsystem.chaos import ChaosSpecError, parse_spec, spec_from_mapping
+    from ftsystem.chaos import ChaosSpecError, parse_specs, spec_from_mapping
     try:
-        spec = parse_spec(chaos.read_text()) if chaos else spec_from_mapping(
-            {"action": "kill", "schedule": {"mtbf": mtbf}, "horizon": "24h"}) if mtbf else None
+        specs = parse_specs(chaos.read_text()) if chaos else [spec_from_mapping(
+            {"action": "kill", "schedule": {"mtbf": mtbf}, "horizon": "24h"})] if mtbf else []
     except (OSError, ChaosSpecError) as e:
         raise typer.BadParameter(str(e), param_hint="--chaos/--mtbf") from e
     train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
-    cfg = RunConfig(chaos=spec, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
+    cfg = RunConfig(chaos=specs, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
-                    timeout_s=timeout, controller_ports=[port])
+                    timeout_s=timeout, controller_ports=[port], netns=netns,
+                    etcd_members=etcd_members)
     from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
+    from ftsystem.netns import NetnsError
     from ftsystem.store import StoreError
+    import signal
+    import sys
+    # A SIGTERM unwinds like Ctrl-C, so that namespaces and processes are cleaned up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         summary = run_job(cfg)
-    except (StoreError, EtcdNotInstalledError, EtcdStartError, ValueError) as e:
+    except (StoreError, EtcdNotInstalledError, EtcdStartError, NetnsError, ValueError) as e:
         raise _fail(str(e))
     print_table(f"job {job}: failures", ["replica", "at step", "reason", "survivor stall (s)"],
                 [(f["replica"], f["step"], f["reason"], f["stall_s"])
@@ -183,20 +203,20 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
 def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or JSON"),
                 etcd: str = typer.Option(..., help=ETCD_HELP),
                 job: str = typer.Option(..., help="job id")) -> None:
-    """Validate a chaos spec and store its orders; the job's agents execute them."""
+    """Validate chaos specs (one or several YAML documents) and store their orders."""
     import asyncio
     import time
-    from ftsystem.chaos import ChaosSpecError, parse_spec, submit
+    from ftsystem.chaos import ChaosSpecError, parse_specs, submit
     from ftsystem.store import Store, StoreError
     _check_id("job", job)
     try:
-        spec = parse_spec(spec_file.read_text())
+        specs = parse_specs(spec_file.read_text())
     except (OSError, ChaosSpecError) as e:
         raise _fail(f"{spec_file}: {e}; nothing was stored")
 
     async def store_orders():
         async with Store(etcd) as store:
-            return await submit(store, job, spec, f"cli-{int(time.time() * 1000)}",
+            return await submit(store, job, specs, f"cli-{int(time.time() * 1000)}",
                                 now=time.time())
     try:
         orders = asyncio.run(store_orders())

@@ -51,48 +51,77 @@ def free_port() -> int:
 
 @dataclass(kw_only=True)
 class EmbeddedEtcd:
-    """A single-node etcd on loopback, tuned for fast failure detection (short heartbeats)."""
+    """An etcd on loopback (and ``host``), tuned for fast failure detection (short heartbeats).
+
+    Alone it is a single-node etcd; :class:`EtcdCluster` makes several of them one cluster.
+    """
 
     data_dir: Path | None = None
     """Where etcd keeps its data; a fresh temporary directory when None."""
     port: int = 0
     """Client port; a free one when 0."""
     name: str = "ftsystem"
+    host: str = "127.0.0.1"
+    """The address it advertises; it listens there and on loopback."""
+    peer_port: int = 0
+    """Port for its cluster peers; a free one when 0."""
+    initial_cluster: str = ""
+    """``name=peer-url,...`` of every member; empty: a cluster of this member alone."""
     process: subprocess.Popen | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     def start(self, *, wait_s: float = 15.0) -> "EmbeddedEtcd":
+        self.launch()
+        self.wait_ready(wait_s)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve (cluster members start together)."""
         binary = etcd_binary()
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="ftsystem-etcd-"))
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
-        if self.port and not _port_free(self.port):
+        if self.port and self.process is None and not _port_free(self.port):
             raise EtcdStartError(f"port {self.port} is in use (another etcd?): pick another "
                                  "with --port, or pass that etcd's URL with --etcd")
         self.port = self.port or free_port()
-        peer = free_port()
-        cmd = [binary, "--name", self.name, "--data-dir", str(self.data_dir),
-               "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-cluster", f"{self.name}=http://127.0.0.1:{peer}",
-               "--heartbeat-interval", "25", "--election-timeout", "250",
-               "--log-level", "error"]
-        log_path = Path(self.data_dir) / "etcd.log"
-        with open(log_path, "ab") as log:  # the child keeps its own fd
-            self.process = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.DEVNULL,
-                                            stderr=log)
-        self._wait_ready(wait_s, log_path)
-        return self
+        self.peer_port = self.peer_port or free_port()
+        with open(self.log_path, "ab") as log:  # the child keeps its own fd
+            self.process = subprocess.Popen(die_with_parent(self._command(binary)),
+                                            stdout=subprocess.DEVNULL, stderr=log)
 
-    def _wait_ready(self, wait_s: float, log_path: Path) -> None:
+    def _command(self, binary: str) -> list[str]:
+        listen = ",".join(dict.fromkeys([f"http://127.0.0.1:{self.port}", self.url]))
+        return [binary, "--name", self.name, "--data-dir", str(self.data_dir),
+                "--listen-client-urls", listen, "--advertise-client-urls", self.url,
+                "--listen-peer-urls", self.peer_url,
+                "--initial-advertise-peer-urls", self.peer_url,
+                "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
+                "--heartbeat-interval", "25", "--election-timeout", "250",
+                "--log-level", "error"]
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.data_dir) / "etcd.log"
+
+    def wait_ready(self, wait_s: float = 15.0) -> None:
         problem = wait_listening("127.0.0.1", self.port, self.process, wait_s)
         if problem is not None:
             self.stop()
-            raise EtcdStartError(f"etcd {problem}: {log_path.read_text()[-2000:]}")
+            raise EtcdStartError(f"etcd {problem}: {self.log_path.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the data directory stays: :meth:`launch` rejoins)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -104,6 +133,47 @@ class EmbeddedEtcd:
                 self.process.wait()
 
     def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(kw_only=True)
+class EtcdCluster:
+    """``size`` embedded members forming one cluster (3 survives the loss of one)."""
+
+    size: int = 3
+    data_dir: Path
+    host: str = "127.0.0.1"
+    members: list[EmbeddedEtcd] = field(default_factory=list, init=False)
+
+    @property
+    def url(self) -> str:
+        """Every member's client URL, comma-separated (what ``--etcd`` takes)."""
+        return ",".join(m.url for m in self.members)
+
+    def start(self, *, wait_s: float = 20.0) -> "EtcdCluster":
+        self.members = [EmbeddedEtcd(data_dir=Path(self.data_dir) / f"m{i}", name=f"m{i}",
+                                     host=self.host, port=free_port(), peer_port=free_port())
+                        for i in range(self.size)]
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        try:
+            for member in self.members:
+                member.initial_cluster = cluster
+                member.launch()
+            for member in self.members:
+                member.wait_ready(wait_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+    def __enter__(self) -> "EtcdCluster":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

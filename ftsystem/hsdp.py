@@ -120,6 +120,7 @@ class FTReplica:
         self._enter_epoch(newer_than=0)
 
     def close(self) -> None:
+        self.heartbeat.done()
         self.ftar.abort()
         self.state_server.shutdown()
         self.snapshotter.shutdown()

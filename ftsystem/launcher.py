@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,9 +24,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ftsystem import ettr, keys, stall, timeline
 from ftsystem.chaos import ChaosSpec, submit
-from ftsystem.etcd_server import EmbeddedEtcd, free_port
+from ftsystem.etcd_server import EtcdCluster, free_port
 from ftsystem.faults import FaultPoint, parse_fault_point
+from ftsystem.netns import Host, HostNetwork
 from ftsystem.procs import die_with_parent
+from ftsystem.service_chaos import ServiceChaos
 from ftsystem.store import Store, StoreError
 
 
@@ -72,8 +76,13 @@ class RunConfig:
     timeout_s: float = 30.0
     """FTSYSTEM_TIMEOUT_S for the replicas."""
     show_progress: bool = True
-    chaos: ChaosSpec | None = None
-    """Failure injection by spec (``--chaos FILE`` or ``--mtbf``), executed by the agents."""
+    chaos: ChaosSpec | list[ChaosSpec] | None = None
+    """Failure injection by specs (``--chaos FILE`` or ``--mtbf``), executed by the agents
+    (replica actions) and by this run (service actions)."""
+    etcd_members: int = 1
+    """Members of the embedded etcd (3 lets ``etcd-member-kill`` kill one)."""
+    netns: bool = False
+    """Run each replica's agent in its own network namespace, so ``partition`` can cut it."""
 
 
 def replica_id(index: int) -> str:
@@ -106,52 +115,96 @@ class ProcessGroup:
 
 
 @contextlib.contextmanager
-def etcd_endpoint(url: str | None, data_dir: Path) -> Iterator[str]:
-    """The given endpoints, or an embedded etcd's for the duration of the block."""
-    if url:
-        yield url
+def etcd_endpoint(cfg: RunConfig, host: str) -> Iterator[tuple[str, EtcdCluster | None]]:
+    """The given endpoints, or an embedded etcd's (reachable at ``host``) for the block."""
+    if cfg.etcd:
+        yield cfg.etcd, None
         return
-    with EmbeddedEtcd(data_dir=data_dir) as etcd:
-        yield etcd.url
+    with EtcdCluster(size=cfg.etcd_members, data_dir=cfg.out_dir / "etcd", host=host) as etcd:
+        yield etcd.url, etcd
+
+
+@contextlib.contextmanager
+def hosts(cfg: RunConfig) -> Iterator[list[Host | None]]:
+    """Where each replica's agent runs: its own network namespace, or (None) this one."""
+    if not cfg.netns:
+        yield [None] * cfg.num_replicas
+        return
+    with HostNetwork(cfg.num_replicas, name=f"ft{os.getpid() % 100000}") as net:
+        yield net.hosts
 
 
 def run_job(cfg: RunConfig) -> dict:
     """Run the job to the end; returns the summary (also written to ``out_dir``)."""
+    check_chaos_fits(cfg)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "results").mkdir(exist_ok=True)
     procs = ProcessGroup(cfg.out_dir)
-    with etcd_endpoint(cfg.etcd, cfg.out_dir / "etcd") as etcd:
+    with hosts(cfg) as replica_hosts, etcd_endpoint(cfg, _service_address(replica_hosts)) as (
+            etcd, cluster):
         asyncio.run(_reset_job(etcd, cfg))
+        services = ServiceChaos(etcd, cfg.job, cluster)
         try:
             ports = [port or free_port() for port in cfg.controller_ports]
             for i, port in enumerate(ports):
-                procs.start(f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
-                                                   cfg.job, "--port", str(port)))
-            agents = [procs.start(f"agent-{replica_id(i)}", agent_command(cfg, etcd, i))
-                      for i in range(cfg.num_replicas)]
-            if cfg.chaos is not None:
+                services.add_controller(f"c{i}", functools.partial(
+                    procs.start, f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
+                                                        cfg.job, "--port", str(port),
+                                                        "--instance-id", f"c{i}")))
+            services.start()
+            agents = [procs.start(f"agent-{replica_id(i)}", _on_host(host, agent_command(
+                          cfg, etcd, i, host=host.address if host else "127.0.0.1")))
+                      for i, host in enumerate(replica_hosts)]
+            if cfg.chaos:
                 asyncio.run(_submit_chaos(etcd, cfg))
             started = time.time()
             _wait_with_progress(cfg, etcd, agents)
             summary = asyncio.run(_summarize(cfg, etcd, agents, time.time() - started))
             summary["controllers"] = [f"http://127.0.0.1:{port}" for port in ports]
         finally:
+            services.stop()
             procs.stop_all()
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def chaos_specs(cfg: RunConfig) -> list[ChaosSpec]:
+    return [cfg.chaos] if isinstance(cfg.chaos, ChaosSpec) else list(cfg.chaos or [])
+
+
+def check_chaos_fits(cfg: RunConfig) -> None:
+    """Refuse, before anything starts, chaos this run could not carry out."""
+    actions = {a for spec in chaos_specs(cfg) for a in spec.actions}
+    if "partition" in actions and not cfg.netns:
+        raise ValueError("the partition action needs replicas in network namespaces: "
+                         "add --netns (as root)")
+    if "etcd-member-kill" in actions and (cfg.etcd or cfg.etcd_members < 3):
+        raise ValueError("etcd-member-kill needs an embedded etcd of 3 members or more: "
+                         "add --etcd-members 3 (and no --etcd)")
+
+
+def _service_address(replica_hosts: list[Host | None]) -> str:
+    """Where services listen so that every replica reaches them: the bridge, or loopback."""
+    host = replica_hosts[0] if replica_hosts else None
+    return host.gateway if host is not None else "127.0.0.1"
+
+
+def _on_host(host: Host | None, cmd: list[str]) -> list[str]:
+    return host.wrap(cmd) if host is not None else cmd
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ftsystem.cli", *args]
 
 
-def agent_command(cfg: RunConfig, etcd: str, index: int) -> list[str]:
+def agent_command(cfg: RunConfig, etcd: str, index: int, *, host: str = "127.0.0.1"
+                  ) -> list[str]:
     """The ``ftsystem agent`` command line of replica ``index`` training ``ftsystem.train``."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
     train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
              "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args]
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
-                "--timeout", str(cfg.timeout_s), *kills, "--", *train)
+                "--timeout", str(cfg.timeout_s), "--host", host, *kills, "--", *train)
 
 
 async def _submit_chaos(etcd: str, cfg: RunConfig) -> None:
@@ -159,7 +212,7 @@ async def _submit_chaos(etcd: str, cfg: RunConfig) -> None:
     async with Store(etcd) as store:
         while len((await store.get_prefix(keys.agents(cfg.job)))[0]) < cfg.num_replicas:
             await asyncio.sleep(0.1)
-        await submit(store, cfg.job, cfg.chaos, "run", now=time.time())
+        await submit(store, cfg.job, chaos_specs(cfg), "run", now=time.time())
 
 
 async def _reset_job(etcd: str, cfg: RunConfig) -> None:
@@ -202,6 +255,7 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
                      wall_s: float) -> dict:
     async with Store(etcd) as store:
         items, _ = await store.get_prefix(keys.failures(cfg.job))
+        orders, _ = await store.get_prefix(keys.chaos_orders(cfg.job))
     failures = sorted(({"replica": k[len(keys.failures(cfg.job)):].split("/")[0],
                         **json.loads(v)} for k, v in items.items()), key=lambda f: f["time"])
     results = {}
@@ -210,7 +264,8 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
         results[result["replica"]] = result
     timeline.draw(results, failures, cfg.out_dir / "timeline.png")
     return summarize(results, failures, wall_s=wall_s, num_replicas=cfg.num_replicas,
-                     agent_exit_codes=[a.returncode for a in agents])
+                     agent_exit_codes=[a.returncode for a in agents]) | {
+        "chaos": sorted((json.loads(v) for v in orders.values()), key=lambda o: o["at"])}
 
 
 def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -88,6 +90,10 @@ class BackgroundLoop:
         self._thread.join(5)
 
 
+DONE_MARK = "done"
+"""Written after the step in the heartbeat file once the rank only tears down."""
+
+
 class Heartbeat:
     """The file the agent's watchdog reads: its mtime is liveness, its content the last step.
 
@@ -100,6 +106,10 @@ class Heartbeat:
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
         self._step = 0
+        self._done = False
+        # The agent sends SIGUSR1 before it kills a hung rank: its log then shows where it hung
+        # (dumped from the signal handler, so also while a C call holds the GIL).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         if self._fd is not None:
             threading.Thread(target=self._write_forever, daemon=True,
                              name="ftsystem-heartbeat").start()
@@ -109,9 +119,19 @@ class Heartbeat:
         self._step = step
         self._write()
 
+    def done(self) -> None:
+        """The rank's work is over; what follows is teardown, which is not watched.
+
+        Interpreter shutdown after a job (destructors of process groups and stores, in C++,
+        with no Python thread left to beat) has been measured here to take several seconds.
+        """
+        self._done = True
+        self._write()
+
     def _write(self) -> None:
         if self._fd is not None:  # fixed width: no truncate needed
-            os.pwrite(self._fd, f"{self._step}\n".encode().ljust(24), 0)
+            mark = f"{self._step} {DONE_MARK}" if self._done else str(self._step)
+            os.pwrite(self._fd, f"{mark}\n".encode().ljust(24), 0)
 
     def _write_forever(self) -> None:
         while True:

@@ -31,7 +31,7 @@ def test_a_full_spec_parses():
         horizon: 2m
         seed: 7
     """)
-    assert (spec.action, spec.mode, spec.value, spec.replicas) == ("hang", "percent", 50,
+    assert (spec.actions, spec.mode, spec.value, spec.replicas) == (("hang",), "percent", 50,
                                                                    ("r1", "r2"))
     assert (spec.duration_s, spec.every_s, spec.horizon_s, spec.seed) == (1.5, 30, 120, 7)
     assert parse_spec('{"action": "kill", "schedule": {"mtbf": "10s"}}').mtbf_s == 10
@@ -47,6 +47,9 @@ def test_a_full_spec_parses():
     ("action: kill\nselector: {replicas: ['a/b']}", "invalid replica id"),
     ("action: kill\ntarget: r1", "unknown key(s) target"),
     ("action: [unclosed", "not YAML or JSON"),
+    ("action: [kill, explode]", "or a list of them"),
+    ("action: []", "or a list of them"),
+    ("action: [kill, partition]", "partition needs a positive duration"),
 ])
 def test_bad_specs_say_what_is_wrong(text, message):
     with pytest.raises(ChaosSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -67,6 +70,17 @@ def test_expansion_follows_schedule_mode_and_selector():
     assert a == b and 60 < len(a) < 180  # seeded Poisson: about 120 in an hour
     with pytest.raises(ChaosSpecError, match="matches none"):
         expand(chosen, ["r0"], now=0, name="t")
+
+
+def test_mixed_actions_are_seeded_and_service_actions_target_no_replica():
+    mixed = parse_spec("action: [kill, hang, partition, controller-kill]\nduration: 2s\n"
+                       "schedule: {mtbf: 10s}\nhorizon: 10m\nseed: 1")
+    orders = expand(mixed, ["r0", "r1"], now=0, name="m")
+    assert orders == expand(mixed, ["r0", "r1"], now=0, name="m")
+    assert {o.action for o in orders} == {"kill", "hang", "partition", "controller-kill"}
+    for order in orders:
+        assert (order.replica == "") == (order.action == "controller-kill")
+    assert len({o.id for o in orders}) == len(orders)
 
 
 def test_slow_pattern_stops_the_given_share():

@@ -1,0 +1,56 @@
+"""One timeout for users to set; every other deadline is derived from it here.
+
+torchft users hand-tune a hierarchy of timeouts (heartbeat, quorum, collective, connect). Here
+they set one, ``FTSYSTEM_TIMEOUT_S`` (``--timeout``, 30 s by default): the longest a hung or
+partitioned replica may stall the survivors. The paths that detect such a replica are derived so
+that each ends well within it:
+
+- a hung process stops writing its heartbeat: the agent's watchdog fires after a third of it and
+  revokes the replica's lease, which publishes an epoch without the replica within milliseconds;
+- a partitioned host (or a dead one) stops renewing its lease: etcd expires it after a third of
+  it (plus up to a second of etcd's own granularity), with the same effect;
+- a collective, a rendezvous or a state transfer gives up after the whole timeout: the backstop
+  for what neither path catches (a silently lossy link, a peer stuck inside the kernel).
+
+Survivors abandon an in-flight all-reduce the moment a newer epoch appears, so they are stalled
+for about a third of the timeout, and never longer than the timeout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MIN_TIMEOUT_S = 6.0
+"""Below this the lease TTL (a third, whole seconds, at least 2) no longer fits."""
+
+
+class TimeoutConfigError(ValueError):
+    """The one timeout is out of range; the message says which range."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    timeout_s: float
+    """The one setting: the longest a hung or partitioned replica stalls the survivors."""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.timeout_s) or self.timeout_s < MIN_TIMEOUT_S:
+            raise TimeoutConfigError(
+                f"timeout {self.timeout_s!r} s is too short: set FTSYSTEM_TIMEOUT_S / --timeout "
+                f"to at least {MIN_TIMEOUT_S:g} s (the lease TTL is a third of it, at least 2 s)")
+
+    @property
+    def watchdog_s(self) -> float:
+        """A rank without a heartbeat for this long is hung: its replica is restarted."""
+        return self.timeout_s / 3
+
+    @property
+    def lease_ttl_s(self) -> int:
+        """The replica's etcd lease: a host that stops renewing it is dropped after this."""
+        return max(2, math.floor(self.timeout_s / 3))
+
+    @property
+    def collective_s(self) -> float:
+        """Collectives, rendezvous and transfers give up after this (the backstop)."""
+        return self.timeout_s
