@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 
 from ftsystem import keys, metrics
-from ftsystem.membership import Epoch, Policy, Registration, assign_donors, decide
+from ftsystem.ettr import LiveEttr
+from ftsystem.membership import (Epoch, Policy, Registration, ReplicaState, assign_donors,
+                                 decide)
 from ftsystem.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,8 @@ class MembershipLoop:
         items, revision = await self.store.get_prefix(keys.replicas(self.cfg.job))
         self.registrations = {keys.last_segment(k): Registration.from_json(v)
                               for k, v in items.items()}
+        # ETTR from the moment this instance leads (a new leader starts its own count).
+        self.ettr = LiveEttr(num_replicas=self.policy.initial_replicas)
         queue: asyncio.Queue = asyncio.Queue()
         watcher = asyncio.create_task(self._watch(revision + 1, queue))
         try:
@@ -157,8 +161,10 @@ class MembershipLoop:
         rid = keys.last_segment(event.key)
         if event.kind == "DELETE":
             self.registrations.pop(rid, None)
+            self.ettr.forget(rid)
         else:
-            self.registrations[rid] = Registration.from_json(event.value)
+            reg = self.registrations[rid] = Registration.from_json(event.value)
+            self.ettr.observe(rid, reg.step, reg.state == ReplicaState.MEMBER, time.time())
 
     async def _decide(self, *, join_tick: bool, seen: float) -> None:
         if self.epoch is None:  # the spec may be written after the controller started
@@ -169,6 +175,12 @@ class MembershipLoop:
         if nxt is not None:
             await self._publish(nxt, seen)
         await self._assign_donors()
+        self._export_ettr()
+
+    def _export_ettr(self) -> None:
+        for kind, value in self.ettr.values(time.time()).items():
+            if value is not None:
+                metrics.ETTR.labels(self.cfg.job, kind.removeprefix("ettr_")).set(value)
 
     async def _assign_donors(self) -> None:
         wanted = assign_donors(self.epoch, self.registrations, self.assignments)

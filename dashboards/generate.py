@@ -131,6 +131,11 @@ def job_overview() -> Dashboard:
                              "{{reason}}")),
         ]),
         ("Progress", [
+            timeseries("ETTR", "Effective training time ratio since the leading controller "
+                       "took over: time-based (share of time the job advances at its normal "
+                       "pace) and work-based (steps committed over what all replicas could).",
+                       "percentunit",
+                       query(f"max by (kind) (ftsystem_ettr{{{JOB}}})", "{{kind}}")),
             timeseries("Steps per second", "Committed steps per second of each replica.",
                        "none", query(f"sum by (replica) "
                                      f"(rate(ftsystem_steps_committed_total{{{JOB}}}"

@@ -13,6 +13,9 @@ Not counted: start-up before the first commit (both) — the baseline pays its o
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ftsystem.stall import Timeline, gaps, normal_step_time
@@ -38,3 +41,62 @@ def ettr(timelines: Mapping[str, Timeline], num_replicas: int) -> dict[str, floa
     capacity = num_replicas * interval / step_s
     return {"ettr_time": 1.0 - lost / interval, "ettr_work": min(1.0, commits / capacity),
             "interval_s": interval}
+
+
+@dataclass
+class LiveEttr:
+    """ETTR of a running job, updated from the replicas' step reports as they arrive (pure).
+
+    The controller sees each replica's committed step in its registration. Reports may be
+    coalesced (a replica skips one while the previous write is in flight), so progress is
+    credited per step advanced: a gap covering ``n`` steps is productive up to ``n`` normal
+    step times. The normal step time is the median per-step gap of the recent past.
+    Work counts steps that a replica advanced while it stayed a member: a joiner's jump to the
+    job's step (loading a snapshot) is not work it did.
+    """
+
+    num_replicas: int
+    window: int = 200
+    """Per-step gaps kept for the normal step time."""
+    _job_step: int = -1
+    _job_time: float = 0.0
+    _first_time: float | None = None
+    _productive_s: float = 0.0
+    _per_step: deque = field(init=False)
+    _replica_steps: dict = field(default_factory=dict)
+    _work_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self._per_step = deque(maxlen=self.window)
+
+    def observe(self, replica: str, step: int, is_member: bool, now: float) -> None:
+        previous = self._replica_steps.get(replica)
+        self._replica_steps[replica] = (step, is_member)
+        if previous is not None and previous[1] and is_member and step > previous[0]:
+            self._work_steps += step - previous[0]
+        if step <= self._job_step:
+            return
+        if self._first_time is None:
+            self._first_time = now
+        elif self._job_step >= 0:
+            advanced = step - self._job_step
+            self._per_step.append((now - self._job_time) / advanced)
+            self._productive_s += min(now - self._job_time, advanced * self.step_s)
+        self._job_step, self._job_time = step, now
+
+    def forget(self, replica: str) -> None:
+        """The replica's registration is gone (failed, or finished): its next one starts over."""
+        self._replica_steps.pop(replica, None)
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self._per_step) if self._per_step else 0.0
+
+    def values(self, now: float) -> dict[str, float | None]:
+        """Time- and work-based ETTR from the first commit seen until ``now``."""
+        if self._first_time is None or len(self._per_step) < 2 or now <= self._first_time:
+            return {"ettr_time": None, "ettr_work": None}
+        elapsed = now - self._first_time
+        capacity = self.num_replicas * elapsed / self.step_s
+        return {"ettr_time": min(1.0, self._productive_s / elapsed),
+                "ettr_work": min(1.0, self._work_steps / capacity)}

@@ -18,6 +18,8 @@ MEMBERSHIP_CHANGES = Counter("ftsystem_membership_changes_total",
 DECISION_LATENCY = Histogram("ftsystem_membership_decision_seconds",
                              "From a registration change seen to its epoch published",
                              ["job"], buckets=_LATENCY_BUCKETS)
+ETTR = Gauge("ftsystem_ettr", "Effective training time ratio since this controller leads, "
+             "time-based (kind=time) or work-based (kind=work)", ["job", "kind"])
 IS_LEADER = Gauge("ftsystem_controller_is_leader", "1 on the leading controller", ["job"])
 
 # --- agent ---

@@ -105,6 +105,8 @@ class _Replica:
     generation: int = -1
     proc: Optional[subprocess.Popen] = None
     killed_by_us: bool = False
+    niceness: int = 0
+    """CPU priority offset (``nice``) of this replica's processes."""
 
     def path(self, suffix: str, generation: Optional[int] = None) -> Path:
         generation = self.generation if generation is None else generation
@@ -116,6 +118,8 @@ class _Replica:
         self.killed_by_us = False
         args = self.argv + ["--replica", str(self.index), "--generation", str(self.generation),
                             "--out", str(self.path(".json"))]
+        if self.niceness:
+            args = ["nice", "-n", str(self.niceness), *args]
         with self.path(".log").open("wb") as log:
             self.proc = subprocess.Popen(args, env=self.env, cwd=self.workdir, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -178,10 +182,10 @@ class _Cluster:
             raise RuntimeError(f"torchft_lighthouse {problem}")
         self.lighthouse_addr = f"http://localhost:{port}"
 
-    def add_replica(self, index: int) -> _Replica:
+    def add_replica(self, index: int, niceness: int = 0) -> _Replica:
         """Start replica ``index`` under supervision."""
         replica = _Replica(index=index, workdir=self.workdir, argv=self.replica_argv,
-                           env=_replica_env(self.lighthouse_addr))
+                           env=_replica_env(self.lighthouse_addr), niceness=niceness)
         self.replicas[index] = replica
         replica.start()
         return replica
@@ -283,7 +287,7 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
 
 def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optional[int],
                        workdir: Path, join_after_s: float, sleep_per_step: float = 0.0,
-                       timeout_s: float = 600.0) -> dict:
+                       timeout_s: float = 600.0, joiner_niceness: int = 0) -> dict:
     """Train ``num_replicas`` torchft replicas, then start one more ``join_after_s`` later.
 
     The joiner (index ``num_replicas``) heals from a peer inside a quorum step, so the
@@ -299,7 +303,7 @@ def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optio
         join_at = time.time() + join_after_s
         cluster.wait_until(lambda: time.time() >= join_at, "the time to start the joiner")
         join_started = time.time()
-        joiner = cluster.add_replica(num_replicas)
+        joiner = cluster.add_replica(num_replicas, joiner_niceness)
         cluster.wait_until(cluster.all_finished, "all replicas to finish")
         results = cluster.results()
         first = results[joiner.index]["commits"]
