@@ -148,7 +148,7 @@ class Snapshotter:
             self._copying = None
 
     def _copy(self, step: int, state: dict) -> None:
-        copy = _clone_tree(state)
+        copy = host_copy(state)
         if self._transport is None:
             self._transport = HTTPTransport(self._timeout, num_chunks=0)
         self._transport.send_checkpoint([], step, copy, self._timeout)
@@ -173,13 +173,37 @@ class Snapshotter:
         self.free()
 
 
-def _clone_tree(tree: Any) -> Any:
+def host_copy(tree: Any) -> Any:
+    """A host-memory copy of every tensor in ``tree``, taken without stalling the GPU.
+
+    CUDA tensors are copied asynchronously into pinned memory on a side stream that first waits
+    for the work already queued on the training stream; the training stream is not blocked,
+    and this (side) thread waits for the copies alone. CPU tensors are cloned.
+    """
+    if not any(t.is_cuda for t in tree_tensors(tree)):
+        return _map_tensors(tree, lambda t: t.detach().clone())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        copy = _map_tensors(tree, _pinned_copy)
+    side.synchronize()
+    return copy
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_cuda:
+        return tensor.detach().clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    return host.copy_(tensor.detach(), non_blocking=True)
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return fn(tree)
     if isinstance(tree, dict):
-        return {k: _clone_tree(v) for k, v in tree.items()}
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_clone_tree(v) for v in tree)
+        return type(tree)(_map_tensors(v, fn) for v in tree)
     return tree
 
 

@@ -96,3 +96,40 @@ def failure(job_id: str, replica_id: str, generation: int) -> str:
 
 def last_segment(key: str) -> str:
     return key.rstrip("/").rsplit("/", 1)[-1]
+
+
+# --- HALoS real mode (ftsystem/halos/): its own subtree, no FT-HSDP key is reused ---
+
+def halos(job_id: str) -> str:
+    """Prefix of everything a HALoS job in real mode keeps in etcd."""
+    return f"{job(job_id)}/halos/"
+
+
+def halos_config(job_id: str) -> str:
+    """The run's configuration (``RealConfig``), written by the launcher before any process."""
+    return halos(job_id) + "config"
+
+
+def halos_nodes(job_id: str) -> str:
+    """Prefix of the registrations of the GPS, the LPSs and the workers, each bound to the
+    lease of the agent that runs it: a dead process's registration disappears with it."""
+    return halos(job_id) + "nodes/"
+
+
+def halos_node(job_id: str, name: str) -> str:
+    return halos_nodes(job_id) + check_id("halos node", name)
+
+
+def halos_stats(job_id: str) -> str:
+    """Prefix of each node's cumulative counters (no lease: they outlive the process, so a
+    restarted node continues them and the launcher reads them after the run)."""
+    return halos(job_id) + "stats/"
+
+
+def halos_stat(job_id: str, name: str) -> str:
+    return halos_stats(job_id) + check_id("halos node", name)
+
+
+def halos_done(job_id: str) -> str:
+    """Written once by the GPS when the global-update budget is spent: every node then exits."""
+    return halos(job_id) + "done"

@@ -58,3 +58,30 @@ def serve(host: str) -> str:
     """Expose this process's metrics on a free port; returns ``host:port`` to advertise."""
     server, _ = start_http_server(0, addr=host)
     return f"{host}:{server.server_port}"
+
+
+# --- HALoS real mode (ftsystem/halos/): served by the GPS, each LPS and each worker ---
+_STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+HALOS_UPDATES = Counter("ftsystem_halos_updates_applied_total",
+                        "Updates a HALoS server applied: worker pseudo-gradients at an LPS, "
+                        "LPS deltas at the GPS", ["job", "server"])
+HALOS_MERGES = Counter("ftsystem_halos_merges_total", "Global models an LPS merged",
+                       ["job", "server"])
+HALOS_EXCHANGE = Histogram("ftsystem_halos_exchange_seconds",
+                           "LPS -> GPS round trip: delta sent, global model back",
+                           ["job", "server"], buckets=_LATENCY_BUCKETS)
+HALOS_STALENESS = Histogram("ftsystem_halos_staleness_updates",
+                            "LPS updates between the model a worker started from and the one "
+                            "its pseudo-gradient was applied to", ["job", "server"],
+                            buckets=_STALENESS_BUCKETS)
+HALOS_BYTES = Counter("ftsystem_halos_bytes_total",
+                      "Tensor bytes a HALoS node received or sent over HTTP",
+                      ["job", "node", "direction"])
+HALOS_GLOBAL_LOSS = Gauge("ftsystem_halos_global_loss", "Held-out loss of the global model",
+                          ["job"])
+HALOS_GLOBAL_UPDATES = Gauge("ftsystem_halos_global_updates",
+                             "Global updates applied by the GPS so far", ["job"])
+HALOS_WORKER_LOSS = Gauge("ftsystem_halos_worker_loss", "Mean loss of a worker's last local steps",
+                          ["job", "worker"])
+HALOS_WORKER_PUSHES = Counter("ftsystem_halos_worker_pushes_total",
+                              "Pseudo-gradients a worker's LPS acknowledged", ["job", "worker"])

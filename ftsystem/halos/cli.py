@@ -1,13 +1,13 @@
-"""``ftsystem sim halos`` and ``ftsystem bench halos``."""
+"""``ftsystem sim halos``, ``ftsystem bench halos`` and ``ftsystem halos run`` (real mode)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ftsystem.cli import bench_app, sim_app
+from ftsystem.cli import app, bench_app, sim_app
 from ftsystem.halos.config import DEFAULT_SETUP, DEFAULT_TRACE, PaperSetup, SetupError
 
 if TYPE_CHECKING:
@@ -18,6 +18,9 @@ QUICK_ITERS, FULL_ITERS = 384, 1536
 
 SETUP_OPT = typer.Option(DEFAULT_SETUP, "--setup", help="The paper's setup YAML.")
 TRACE_OPT = typer.Option(DEFAULT_TRACE, "--trace", help="Step-time/size trace of Pythia models.")
+halos_app = typer.Typer(no_args_is_help=True, help="HALoS in real mode: the GPS, the LPSs and "
+                        "the workers as processes under agents, coordinated through etcd.")
+app.add_typer(halos_app, name="halos")
 
 
 @sim_app.command("halos")
@@ -113,3 +116,105 @@ def _run(title: str, paper: PaperSetup, cfg: SimConfig, methods: list[str],
     experiment.plot(comp, plot, f"{title}: {cfg.total_iters} iterations, {iid}, "
                     f"target {comp.target_loss:.3f}")
     typer.echo(f"loss curves: {plot}" + (f"; figures: {json_path}" if json_path else ""))
+
+
+@halos_app.command("run")
+def halos_run(
+    updates: Annotated[int, typer.Option(min=1, help="Global updates (LPS deltas applied by "
+                                         "the GPS) after which the run ends.")] = 16,
+    regions: Annotated[int, typer.Option(min=1, help="Regions, one LPS each.")] = 2,
+    workers_per_region: Annotated[int, typer.Option(min=1, help="Workers per region.")] = 2,
+    local_steps: Annotated[int | None, typer.Option(
+        min=1, help="H (default: the setup's).")] = None,
+    accumulation_k: Annotated[int | None, typer.Option(
+        min=1, help="K (default: the setup's).")] = None,
+    lr: Annotated[float | None, typer.Option(
+        help="The workers' peak AdamW lr (default: the setup's).")] = None,
+    step_time: Annotated[float, typer.Option(
+        min=0.0, help="Emulated seconds per local step: a worker's job of H steps lasts at "
+        "least H times this (0: as fast as the CPU goes).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the data and the initial model.")] = 0,
+    kill_at: Annotated[list[str] | None, typer.Option(
+        help="UPDATE:NODE: SIGKILL NODE (gps, lps0.., w0..) once the GPS has applied UPDATE "
+             "updates; repeatable.")] = None,
+    etcd: Annotated[str | None, typer.Option(
+        help="etcd endpoints (default: an embedded etcd).")] = None,
+    job: Annotated[str, typer.Option(help="Job id; an earlier run's keys are deleted.")] = "halos",
+    out: Annotated[Path, typer.Option(
+        help="Logs (agent-NODE.log), the GPS checkpoint, summary.json.")] = Path("runs/halos"),
+    deadline: Annotated[float, typer.Option(
+        help="Seconds after which the run is stopped as failed.")] = 600.0,
+    setup: Path = SETUP_OPT,
+    trace: Path = TRACE_OPT,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write the summary here as well.")] = None,
+) -> None:
+    """Run HALoS for real on this machine: GPS, 1 LPS per region, workers, all supervised."""
+    from ftsystem import report
+    from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
+    from ftsystem.halos import real
+    from ftsystem.store import StoreError
+
+    cfg = _real_config(setup, trace, updates=updates, regions=regions, seed=seed, lr=lr,
+                       workers_per_region=workers_per_region, local_steps=local_steps,
+                       accumulation_k=accumulation_k, local_step_s=step_time)
+    try:
+        kills = [real.parse_kill(k, cfg) for k in kill_at or []]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kill-at") from e
+    launch = real.LaunchConfig(real=cfg, etcd=etcd, job=_job_id(job), out_dir=out, kills=kills,
+                               deadline_s=deadline, progress=lambda m: typer.echo(m, err=True))
+    try:
+        summary = real.run(launch)
+    except (StoreError, EtcdNotInstalledError, EtcdStartError, real.RunTimeoutError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    _print_real(summary)
+    report.write_json(json_path, summary | {"machine": report.machine()})
+    if summary["problems"]:
+        raise typer.Exit(1)
+
+
+def _job_id(job: str) -> str:
+    from ftsystem.keys import InvalidIdError, check_id
+
+    try:
+        return check_id("job", job)
+    except InvalidIdError as e:
+        raise typer.BadParameter(str(e), param_hint="--job") from e
+
+
+def _real_config(setup: Path, trace: Path, *, lr: float | None, seed: int, **shape):
+    """The paper's hyperparameters with the run's shape; a user's mistake exits with its reason."""
+    from ftsystem.halos.config import load_setup
+    from ftsystem.halos.realconfig import RealConfig
+    from ftsystem.halos.workload import WorkloadConfig
+
+    try:
+        paper = load_setup(setup, trace=trace)
+        if lr is not None:
+            paper.worker.lr = lr
+        return RealConfig.from_setup(paper, workload=WorkloadConfig(seed=seed),
+                                     num_regions=shape.pop("regions"),
+                                     num_updates=shape.pop("updates"), **shape)
+    except (SetupError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _print_real(summary: dict) -> None:
+    from ftsystem import report
+
+    nodes = {"gps": summary["gps"], **summary["lps"], **summary["workers"]}
+    rows = [[name, summary["restarts"].get(name, 0), stats.get("updates", "-"),
+             stats.get("pushes", "-"), stats.get("merges", "-"),
+             stats.get("per_lps") or stats.get("per_worker") or "-"]
+            for name, stats in nodes.items()]
+    report.print_table("halos run: nodes", ["node", "restarts", "global updates", "pushes",
+                                            "merges", "by sender"], rows)
+    initial, final = summary["initial_loss"], summary["final_loss"]
+    typer.echo(f"{summary['updates']}/{summary['num_updates']} global updates in "
+               f"{summary['wall_s']:.1f} s; held-out loss {initial:.4f} -> {final:.4f}; "
+               f"kills {len(summary['kills'])}; "
+               f"{'consistent' if not summary['problems'] else 'PROBLEMS: '}"
+               + "; ".join(summary["problems"]))

@@ -1,0 +1,128 @@
+"""Checks of the CUDA paths on a machine with one GPU: ``python -m ftsystem.gpu_check --json P``.
+
+What a GPU changes is the data plane only, and one GPU cannot hold several NCCL ranks of one
+communicator, so the checks are:
+
+- ``snapshot_copy``: the donor's snapshot of CUDA state (``catchup.host_copy``: asynchronous
+  device-to-host copies into pinned memory on a side stream), its bandwidth and exactness, and
+  how long the training stream's queued work is delayed by it (it should not be);
+- ``nccl_single_rank``: torchft's ``ProcessGroupNCCL`` configured through a store as FTAR does,
+  with one rank, an all-reduce of CUDA tensors, an abort, and a reconfiguration;
+- ``gloo_cuda_two_replicas``: two processes (two replicas on one GPU) configure torchft's
+  ``ProcessGroupGloo`` and all-reduce CUDA tensors, as FTAR does on GPU without NCCL.
+
+Each check records ok, seconds and details; the JSON also states the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ftsystem import report
+from ftsystem.catchup import host_copy, tree_tensors
+
+SNAPSHOT_BYTES = 2 << 30
+ALLREDUCE_ELEMENTS = 16 << 20
+
+
+def check_snapshot_copy() -> dict:
+    state = {f"p{i}": torch.randn(SNAPSHOT_BYTES // 8 // 4, device="cuda") for i in range(8)}
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    started = time.perf_counter()
+    for _ in range(20):  # queued training work the copy must wait for, then overlap with
+        busy = busy @ busy / 4096
+    copied: dict = {}
+    thread = threading.Thread(target=lambda: copied.update(host_copy(state)))
+    thread.start()
+    launch_s = time.perf_counter() - started  # the training thread is free to go on
+    thread.join()
+    copy_s = time.perf_counter() - started
+    torch.cuda.synchronize()
+    exact = all(torch.equal(a.cpu(), b) for a, b in zip(tree_tensors(state),
+                                                          tree_tensors(copied)))
+    pinned = all(t.is_pinned() for t in tree_tensors(copied))
+    return {"ok": exact and pinned, "bytes": SNAPSHOT_BYTES, "seconds": copy_s,
+            "gb_per_s": SNAPSHOT_BYTES / copy_s / 1e9, "pinned": pinned, "exact": exact,
+            "training_thread_blocked_s": launch_s}
+
+
+def check_nccl_single_rank() -> dict:
+    from torchft.process_group import ProcessGroupNCCL
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupNCCL(timeout=timedelta(seconds=60))
+    times = []
+    for epoch in range(2):  # configure, all-reduce, abort, then again: what FTAR does
+        started = time.perf_counter()
+        pg.configure(f"127.0.0.1:{store.port}/nccl/{epoch}", "gpu-check", 0, 1)
+        tensor = torch.ones(ALLREDUCE_ELEMENTS, device="cuda")
+        pg.allreduce([tensor], dist.AllreduceOptions()).wait()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        ok = bool(torch.all(tensor == 1))
+        pg.abort()
+    return {"ok": ok, "configure_allreduce_s": times}
+
+
+def _gloo_worker(rank: int, port: int, results) -> None:
+    from torchft.process_group import ProcessGroupGloo
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+    pg.configure(f"127.0.0.1:{port}/gloo", f"replica{rank}", rank, 2)
+    tensor = torch.full((ALLREDUCE_ELEMENTS,), float(rank + 1), device="cuda")
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    started = time.perf_counter()
+    pg.allreduce([tensor], opts).wait()
+    torch.cuda.synchronize()
+    results[rank] = (bool(torch.all(tensor == 3.0)), time.perf_counter() - started)
+
+
+def check_gloo_cuda_two_replicas() -> dict:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = mp.Manager().dict()
+    mp.spawn(_gloo_worker, args=(store.port, results), nprocs=2, join=True)
+    return {"ok": all(ok for ok, _ in results.values()),
+            "allreduce_s": [s for _, s in results.values()], "bytes": ALLREDUCE_ELEMENTS * 4}
+
+
+CHECKS = {"snapshot_copy": check_snapshot_copy, "nccl_single_rank": check_nccl_single_rank,
+          "gloo_cuda_two_replicas": check_gloo_cuda_two_replicas}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    out: dict = {"machine": report.machine(), "cuda": torch.cuda.is_available()}
+    if not out["cuda"]:
+        out["reason"] = "no CUDA device: run this on a GPU machine"
+        args.json.write_text(json.dumps(out, indent=2))
+        print(out["reason"], file=sys.stderr)
+        return 2
+    out["device"] = torch.cuda.get_device_name()
+    for name, check in CHECKS.items():
+        started = time.perf_counter()
+        try:
+            out[name] = check()
+        except Exception as e:  # a failed check is a result too; the others still run
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                         "traceback": traceback.format_exc()[-2000:]}
+        out[name]["wall_s"] = time.perf_counter() - started
+        print(f"{name}: {'ok' if out[name]['ok'] else 'FAILED'}", flush=True)
+    args.json.write_text(json.dumps(out, indent=2))
+    return 0 if all(out[name]["ok"] for name in CHECKS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""A HALoS local parameter server as a process: ``python -m ftsystem.halos.lps --region R``.
+
+It starts from the global model, fetched from the GPS, which is also how a restarted LPS
+recovers: its own model and momentum died with it, the global model holds what it had sent. Each
+worker pseudo-gradient is applied with local momentum (``rules.lps_apply``); when the K-th since
+the last merge lands, the delta goes to the GPS in the background (workers keep pushing meanwhile)
+and the returned global model is merged with weight alpha (``rules.lps_merge``).
+
+HTTP: ``GET /model``; ``POST /push`` (body: a pseudo-gradient; headers: the worker's name,
+generation, request number and the model version it started from), answered with the LPS's model;
+``GET /metrics``. Once the run is over, pushes are refused with 410 and the LPS exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request, Response
+
+from ftsystem import metrics
+from ftsystem.halos import rules
+from ftsystem.halos.node import (
+    FINISHED_STATUS,
+    Header,
+    Node,
+    WireError,
+    exit_now,
+    http_client,
+    pack,
+    sender_tag,
+    serve,
+    server_app,
+    tensor_response,
+    unpack,
+)
+from ftsystem.halos.realconfig import GPS, RealConfig, lps_name
+from ftsystem.halos.rules import LpsState
+
+log = logging.getLogger(__name__)
+
+
+class LocalServer:
+    """One LPS's state, its HTTP handlers and its exchanges with the GPS."""
+
+    def __init__(self, node: Node, cfg: RealConfig) -> None:
+        self.node, self.cfg = node, cfg
+        self.client = http_client(cfg)
+        self.state: LpsState | None = None
+        self.version = 0
+        """Updates (pushes and merges) this generation's model has absorbed."""
+        self.last_request: dict[str, list[int]] = {}
+        """Per worker, ``[generation, seq]`` of the last push applied: a retry is not reapplied."""
+        self.finished = False
+        self.failure: BaseException | None = None
+        self.server = None  # the uvicorn server, once serving
+        self._exchanges = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def stats(self) -> dict:
+        return self.node.stats
+
+    async def start_from_global(self) -> bool:
+        """Take the GPS's current model as this LPS's; False if the run is already over."""
+        reply = await self.node.request(self.client, GPS, "GET", "/model")
+        if reply is None:
+            return False
+        self.state = LpsState.start(unpack(reply.content))
+        for counter in ("pushes", "merges", "deltas_sent"):
+            self.stats.setdefault(counter, 0)
+        self.stats.setdefault("per_worker", {})
+        self.stats.setdefault("starts", []).append({
+            "generation": self.node.ctx.generation, "from": "gps",
+            "gps_updates": int(reply.headers[Header.VERSION]), "pushes": self.stats["pushes"],
+            "merges": self.stats["merges"], "time": time.time()})
+        self.node.changed(self.stats["pushes"])
+        await self.node.flush()
+        return True
+
+    def app(self) -> FastAPI:
+        app = server_app(f"HALoS {self.node.name}")
+        app.get("/model")(self.get_model)
+        app.post("/push")(self.post_push)
+        return app
+
+    def _model_response(self) -> Response:
+        response = tensor_response(self.state.server.theta, {
+            Header.VERSION: str(self.version), Header.GENERATION: str(self.node.ctx.generation)})
+        metrics.HALOS_BYTES.labels(self.node.job, self.node.name, "sent").inc(len(response.body))
+        return response
+
+    async def get_model(self) -> Response:
+        return self._model_response()
+
+    async def post_push(self, request: Request) -> Response:
+        body = await request.body()
+        worker, tag = sender_tag(request.headers)
+        if self.finished:
+            return Response(status_code=FINISHED_STATUS, content="the run is over")
+        if self.last_request.get(worker) == tag:
+            return self._model_response()  # a retry of a push already applied: just answer
+        try:
+            grad = unpack(body)
+        except WireError as e:
+            return Response(status_code=400, content=str(e))
+        if grad.shape != self.state.server.theta.shape:
+            return Response(status_code=400, content=f"pseudo-gradient of shape "
+                            f"{tuple(grad.shape)}, model of {tuple(self.state.server.theta.shape)}")
+        metrics.HALOS_BYTES.labels(self.node.job, self.node.name, "received").inc(len(body))
+        self._apply(worker, tag, grad, request.headers.get(Header.BASE, ""))
+        await self.node.flush()  # counted in etcd before the worker is told
+        return self._model_response()
+
+    def _apply(self, worker: str, tag: list[int], grad: torch.Tensor, base: str) -> None:
+        """One worker update; synchronous, so no other request interleaves with it."""
+        self.state, delta = rules.lps_apply(self.state, grad, self.cfg.lps,
+                                            accumulation_k=self.cfg.accumulation_k)
+        self._observe_staleness(base)
+        self.version += 1
+        self.last_request[worker] = tag
+        self.stats["pushes"] += 1
+        self.stats["per_worker"][worker] = self.stats["per_worker"].get(worker, 0) + 1
+        self.node.changed(self.stats["pushes"])
+        metrics.HALOS_UPDATES.labels(self.node.job, self.node.name).inc()
+        if delta is not None:  # lps_apply yields one delta per merge: one exchange at a time
+            self.spawn(self._exchange(delta))
+
+    def _observe_staleness(self, base: str) -> None:
+        generation, _, version = base.partition(":")
+        if generation == str(self.node.ctx.generation) and version.isdigit():
+            metrics.HALOS_STALENESS.labels(self.node.job, self.node.name).observe(
+                self.version - int(version))
+
+    async def _exchange(self, delta: torch.Tensor) -> None:
+        """Send the accumulated delta to the GPS and merge the global model it returns."""
+        self._exchanges += 1
+        started = time.perf_counter()
+        headers = self.node.sender_headers(self._exchanges)
+        self.stats["deltas_sent"] += 1
+        reply = await self.node.request(self.client, GPS, "POST", "/delta", body=pack(delta),
+                                        headers=headers)
+        if reply is None:
+            return self.finish("the GPS refused the delta: the run is over")
+        self.state = rules.lps_merge(self.state, unpack(reply.content), self.cfg.merge_alpha)
+        self.version += 1
+        self.stats["merges"] += 1
+        self.node.changed()
+        metrics.HALOS_MERGES.labels(self.node.job, self.node.name).inc()
+        metrics.HALOS_EXCHANGE.labels(self.node.job, self.node.name).observe(
+            time.perf_counter() - started)
+        log.info("merged global model %s (exchange %.3f s)", reply.headers[Header.VERSION],
+                 time.perf_counter() - started)
+        await self.node.flush()
+        if reply.headers.get(Header.FINISHED) == "1":
+            self.finish("this LPS's delta spent the global budget")
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run ``coro`` in the background; if it fails, the LPS stops and exits non-zero."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()  # exits non-zero: the agent restarts this LPS
+            self.finish(f"{task.get_coro().__qualname__} failed: {self.failure!r}")
+
+    async def drain(self) -> None:
+        """Let an exchange in flight end: the GPS may have applied its delta as the last one
+        (and announced the end before answering), so its merge must still be counted."""
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.cfg.request_timeout_s)
+
+    async def wait_done(self) -> None:
+        await self.node.wait_done()
+        self.finish("the GPS declared the run over")
+
+    def finish(self, reason: str) -> None:
+        """Refuse further pushes and stop serving (requests in flight are answered)."""
+        if not self.finished:
+            log.info("finishing: %s", reason)
+        self.finished = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+async def run(region: int) -> None:
+    node = Node.from_env(lps_name(region))
+    try:
+        cfg = await node.start()
+        if not 0 <= region < cfg.num_regions:
+            raise SystemExit(f"--region {region}: the run has regions 0..{cfg.num_regions - 1}")
+        lps = LocalServer(node, cfg)
+        if not await lps.start_from_global():
+            return
+        lps.server, task, url = await serve(lps.app(), node.ctx.host)
+        await node.register(role="lps", region=region, url=url)
+        log.info("serving at %s from the global model", url)
+        done = lps.spawn(lps.wait_done())
+        await task
+        done.cancel()
+        await lps.drain()
+        await node.flush()
+        await lps.client.aclose()
+        if lps.failure is not None:
+            raise lps.failure
+    finally:
+        await node.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--region", type=int, required=True, help="the region this LPS serves")
+    asyncio.run(run(parser.parse_args().region))
+    exit_now()  # only after a clean end: an error exits the usual way, with its traceback
+
+
+if __name__ == "__main__":
+    main()
