@@ -35,6 +35,7 @@ from torch import nn
 from ftsystem import keys, metrics
 from ftsystem.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, Snapshotter,
                               StateServer, UpdateLog, fetch_log, fetch_snapshot, tree_tensors)
+from ftsystem.checkpoint import Checkpointer, TrainingState
 from ftsystem.faults import FaultSchedule, InjectedFault
 from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, plan_state_sync
 from ftsystem.membership import Epoch, Registration, ReplicaState
@@ -48,8 +49,19 @@ ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
 ENV_CATCHUP_MODE = "FTSYSTEM_CATCHUP"
 """``nonblocking`` (default): catch up from a donor while the others train; ``blocking``:
 join at once and receive the whole state in the epoch's sync (the members wait for it)."""
+ENV_CHECKPOINT_DIR = "FTSYSTEM_CHECKPOINT_DIR"
+"""Disk checkpoints for cold starts go here (a filesystem every replica shares); unset: none."""
+ENV_CHECKPOINT_EVERY = "FTSYSTEM_CHECKPOINT_EVERY"
+"""Committed steps between disk checkpoints (default 100), written by the epoch's rank 0."""
 ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
+
+
+def _checkpointer_from_env() -> Checkpointer | None:
+    directory = os.environ.get(ENV_CHECKPOINT_DIR)
+    if not directory:
+        return None
+    return Checkpointer(directory, int(os.environ.get(ENV_CHECKPOINT_EVERY, "100")))
 
 
 class ReplicaEvictedError(RuntimeError):
@@ -90,6 +102,10 @@ class FTReplica:
                                         lambda: self.step, self.ctx.timeout_s)
         self.catchup_stats: dict = {}
         self._donor_addr: str | None = None
+        self.checkpointer = _checkpointer_from_env()
+        self._disk_state = {"train": TrainingState(model, optimizer)}
+        self.resumed_from: int | None = None
+        """The disk checkpoint's step this replica started from (a cold start), if any."""
         self._labels = (self.ctx.job, self.ctx.replica_id)
         self._last_commit = time.monotonic()
 
@@ -112,14 +128,18 @@ class FTReplica:
                          state_addr=self.state_server.address,
                          metrics_addr=metrics.serve(self.ctx.host))
         epoch = self.control.epoch
-        blocking = os.environ.get(ENV_CATCHUP_MODE, "nonblocking") == "blocking"
-        if epoch is not None and epoch.members and not epoch.paused and not blocking:
+        running = epoch is not None and epoch.members and not epoch.paused
+        if running and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             self._catch_up()
+        elif not running and self.checkpointer is not None:
+            self._resume_from_disk()
         self.control.register(state=ReplicaState.READY, step=self.step, **addresses)
         self._enter_epoch(newer_than=0)
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the last save in flight completes (or is logged)
         self.heartbeat.done()
         self.ftar.abort()
         self.state_server.shutdown()
@@ -140,16 +160,14 @@ class FTReplica:
         ``self.step``. ``loss`` and ``samples`` of the step only feed the metrics.
         """
         self.faults.check(self.step, "step")
-        # Parameters without a gradient take part with zeros: every replica must all-reduce
-        # the same layout, and the update log replays exactly what was applied.
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self._params])
         while True:
             latest = self.control.epoch
             if latest.number > self.ftar.epoch.number and self._enter_epoch(
                     newer_than=self.ftar.epoch.number):
                 return False
-            buf = flat.clone()  # an abandoned attempt may still write into its buffer
+            # A fresh buffer per attempt (an abandoned one may still be written into); the
+            # gradients themselves stay untouched until the commit, so a retry reuses them.
+            buf = self._flat_grads()
             started = time.monotonic()
             try:
                 self.ftar.allreduce_sum(
@@ -169,7 +187,34 @@ class FTReplica:
         if loss is not None:
             metrics.LOSS.labels(*self._labels).set(loss)
         self.snapshotter.after_commit(self.step)
+        self._maybe_checkpoint()
         return True
+
+    def _maybe_checkpoint(self) -> None:
+        """Rank 0 of the epoch writes the disk checkpoints (all members hold the same state)."""
+        if self.checkpointer is not None and self.ftar.rank == 0:
+            self.checkpointer.maybe_save(self.step, self._disk_state)
+
+    def _resume_from_disk(self) -> None:
+        """A cold start (no member to catch up from): load the newest complete checkpoint.
+
+        Every replica of a cold start loads the same one, so the first epoch's state sync
+        finds them equal; one that finds none joins fresh and receives the state.
+        """
+        step = self.checkpointer.load(self._disk_state)
+        if step is None:
+            return
+        self.step, self._fresh, self.resumed_from = step, False, step
+        self.update_log.clear()
+        self.heartbeat.beat(step)
+        log.info("replica %s resumed from disk checkpoint step %d in %s", self.ctx.replica_id,
+                 step, self.checkpointer.directory)
+
+    def _flat_grads(self) -> torch.Tensor:
+        """One buffer of every gradient. Parameters without one take part with zeros: every
+        replica must all-reduce the same layout, and the update log replays what was applied."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self._params])
 
     def _apply_update(self, update: torch.Tensor) -> None:
         """Set the averaged gradient and step the optimizer: committed step ``step + 1``."""

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +84,9 @@ class RunConfig:
     """Members of the embedded etcd (3 lets ``etcd-member-kill`` kill one)."""
     netns: bool = False
     """Run each replica's agent in its own network namespace, so ``partition`` can cut it."""
+    checkpoint_every: int = 0
+    """Disk checkpoints every this many steps in ``out_dir/checkpoints`` (0: none); the job
+    resumes from the newest complete one when every replica has died."""
 
 
 def replica_id(index: int) -> str:
@@ -152,8 +156,10 @@ def run_job(cfg: RunConfig) -> dict:
                                                         cfg.job, "--port", str(port),
                                                         "--instance-id", f"c{i}")))
             services.start()
+            agent_env = os.environ | _checkpoint_env(cfg)
             agents = [procs.start(f"agent-{replica_id(i)}", _on_host(host, agent_command(
-                          cfg, etcd, i, host=host.address if host else "127.0.0.1")))
+                          cfg, etcd, i, host=host.address if host else "127.0.0.1")),
+                          env=agent_env)
                       for i, host in enumerate(replica_hosts)]
             if cfg.chaos:
                 asyncio.run(_submit_chaos(etcd, cfg))
@@ -166,6 +172,15 @@ def run_job(cfg: RunConfig) -> dict:
             procs.stop_all()
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _checkpoint_env(cfg: RunConfig) -> dict[str, str]:
+    if not cfg.checkpoint_every:
+        return {}
+    directory = cfg.out_dir / "checkpoints"
+    shutil.rmtree(directory, ignore_errors=True)  # a run starts clean, like its etcd keys
+    return {"FTSYSTEM_CHECKPOINT_DIR": str(directory.resolve()),
+            "FTSYSTEM_CHECKPOINT_EVERY": str(cfg.checkpoint_every)}
 
 
 def chaos_specs(cfg: RunConfig) -> list[ChaosSpec]:

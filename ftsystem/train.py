@@ -85,7 +85,7 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
         return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,
-              "started": ft.started,
+              "started": ft.started, "resumed_from": ft.resumed_from,
               "commits": ft.commits, "epochs": ft.epochs, "catchup": ft.catchup_stats,
               "train_loss": loss,
               "eval_loss": eval_loss(model, language), "state_hash": ft.state_hash(),
