@@ -147,6 +147,8 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
                                    "namespace (root; needed by the partition action)"),
         etcd_members: int = typer.Option(1, min=1, help="members of the embedded etcd "
                                          "(3 for etcd-member-kill)"),
+        checkpoint_every: int = typer.Option(0, min=0, help="disk checkpoints every N steps "
+                                             "in OUT/checkpoints, for a whole-job restart"),
         mtbf: Optional[str] = typer.Option(None, help="kill a random replica with this mean "
                                                       "time between failures, e.g. 30s"),
         ) -> None:
@@ -172,7 +174,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
     cfg = RunConfig(chaos=specs, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
                     timeout_s=timeout, controller_ports=[port], netns=netns,
-                    etcd_members=etcd_members)
+                    etcd_members=etcd_members, checkpoint_every=checkpoint_every)
     from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
     from ftsystem.netns import NetnsError
     from ftsystem.store import StoreError
