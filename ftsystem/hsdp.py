@@ -95,6 +95,7 @@ class FTReplica:
                                          wait_for_workers=False)
         self.ftar = FaultTolerantAllReduce(self.control, timeout_s=self.ctx.timeout_s)
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._numel = sum(p.numel() for p in self._params)
         # Catch-up material this replica can donate, and what it learnt catching up itself.
         self.update_log = UpdateLog(int(os.environ.get(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES)))
         self.snapshotter = Snapshotter(self._state, self.ctx.host, self.ctx.timeout_s)
@@ -213,8 +214,10 @@ class FTReplica:
     def _flat_grads(self) -> torch.Tensor:
         """One buffer of every gradient. Parameters without one take part with zeros: every
         replica must all-reduce the same layout, and the update log replays what was applied."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self._params])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                 for p in self._params]
+        out = self.update_log.recycle(self._numel, grads[0].dtype)
+        return torch.cat(grads) if out is None else torch.cat(grads, out=out)
 
     def _apply_update(self, update: torch.Tensor) -> None:
         """Set the averaged gradient and step the optimizer: committed step ``step + 1``."""
