@@ -1,0 +1,257 @@
+"""``ftsystem bench overhead``: steady-state throughput without failures, against plain DDP.
+
+For each model size, one invocation trains the same model on the same data with the same batch,
+optimizer and number of replicas (one process each, one compute thread each) on three systems:
+
+- ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, under torchrun;
+- ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures;
+- ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
+
+Throughput is committed steps per second from each replica's commit timeline, after the first
+``warmup`` commits (start-up, first allocations) and up to the last one; the job's figure is the
+median over its replicas (they step in lockstep). No failure is injected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ftsystem import report
+from ftsystem.cli import bench_app
+
+SYSTEMS = ("ddp", "ftsystem", "torchft")
+DEFAULT_SIZES = "10M,100M"
+QUICK_SIZES = "100K"
+QUICK_STEPS = 20
+DDP_TIMEOUT_S = 1800.0
+_SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9}
+
+
+# --- pure logic -------------------------------------------------------------------------------
+
+def parse_sizes(text: str) -> list[int]:
+    """``"10M,100M"`` -> ``[10_000_000, 100_000_000]`` (suffixes K, M, G; plain integers)."""
+    sizes = []
+    for part in filter(None, (p.strip().upper() for p in text.split(","))):
+        scale = _SUFFIXES.get(part[-1], 1)
+        number = part[:-1] if part[-1] in _SUFFIXES else part
+        try:
+            sizes.append(int(float(number) * scale))
+        except ValueError:
+            raise ValueError(f"malformed model size {part!r} in {text!r}: expected e.g. "
+                             "10M,100M") from None
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"no positive model size in {text!r}: expected e.g. 10M,100M")
+    return sizes
+
+
+def default_steps(params: int) -> int:
+    """Steps per system: a minute or two each on one CPU core per replica."""
+    return 60 if params <= 30_000_000 else 16
+
+
+def warmup_steps(steps: int) -> int:
+    """Leading commits left out: the first steps pay for allocations and lazy set-up."""
+    return max(2, steps // 5)
+
+
+def steady_rate(commits: Sequence[Sequence[float]], warmup: int) -> float | None:
+    """Committed steps per second after step ``warmup`` (None: fewer than 2 such commits)."""
+    window = [(step, t) for step, t in commits if step > warmup]
+    if len(window) < 2 or window[-1][1] <= window[0][1]:
+        return None
+    return (window[-1][0] - window[0][0]) / (window[-1][1] - window[0][1])
+
+
+def job_rate(timelines: Sequence[Sequence[Sequence[float]]], warmup: int) -> float | None:
+    """The job's steps per second: the median of its replicas' rates."""
+    rates = [r for tl in timelines if (r := steady_rate(tl, warmup)) is not None]
+    return statistics.median(rates) if rates else None
+
+
+def ratios(rates: dict[str, float | None]) -> dict[str, float | None]:
+    """Each system's throughput relative to DDP's (1.0: as fast; 0.97: 3% slower)."""
+    base = rates.get("ddp")
+    return {name: rate / base if rate and base else None for name, rate in rates.items()}
+
+
+# --- plain DDP ----------------------------------------------------------------------------------
+
+def ddp_replica(steps: int, model_params: int, out: Path) -> None:
+    """One DDP rank under torchrun: train ``steps`` steps, write the commit timeline to
+    ``out/rank<R>.json``."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
+    from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
+
+    class Loss(torch.nn.Module):
+        """DDP reduces the gradients of what runs through its forward: make that the loss."""
+
+        def __init__(self, inner: TinyGPT) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            return self.inner.loss(batch)
+
+    torch.set_num_threads(1)  # as ftsystem.train and torchft_replica: one core per replica
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = TinyGPT(ModelConfig.for_params(model_params) if model_params else ModelConfig())
+    ddp = DistributedDataParallel(Loss(model))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    language = MarkovLanguage(vocab_size=model.cfg.vocab_size, seed=SEED)
+    commits = []
+    for step in range(steps):
+        batch = language.batch(shard=rank, step=step, batch_size=BATCH_SIZE,
+                               seq_len=model.cfg.seq_len)
+        optimizer.zero_grad()
+        ddp(batch).backward()
+        optimizer.step()
+        commits.append((step + 1, time.time()))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "commits": commits, "num_params": num_params(model)}))
+    dist.destroy_process_group()
+
+
+def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
+    """Plain DDP under torchrun; returns each rank's commit timeline."""
+    from ftsystem.launcher import ProcessGroup
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs = ProcessGroup(workdir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={replicas}", "-m", "ftsystem.benchmarks.overhead",
+           "--steps", str(steps), "--model-params", str(params), "--out", str(workdir)]
+    try:
+        code = procs.start("ddp", cmd, env=dict(os.environ, OMP_NUM_THREADS="1")
+                           ).wait(DDP_TIMEOUT_S)
+    finally:
+        procs.stop_all()
+    if code != 0:
+        raise RuntimeError(f"DDP baseline exited with {code}; see {workdir / 'ddp.log'}")
+    return [json.loads(p.read_text())["commits"] for p in sorted(workdir.glob("rank*.json"))]
+
+
+# --- ftsystem and torchft -------------------------------------------------------------------------
+
+def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
+    """``run_job`` without failures; returns each replica's commit timeline."""
+    from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
+    from ftsystem.launcher import RunConfig, run_job
+
+    train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
+                  "--lr", str(LEARNING_RATE), "--seed", str(SEED)]
+    cfg = RunConfig(num_replicas=replicas, num_steps=steps, job="overhead",
+                    out_dir=workdir, train_args=train_args, show_progress=False)
+    summary = run_job(cfg)
+    if not summary["agents_ok"] or summary["steps"] != steps:
+        raise RuntimeError(f"ftsystem run failed ({summary['steps']} of {steps} steps); "
+                           f"see the logs in {workdir}")
+    return [json.loads(p.read_text())["commits"] for p in sorted((workdir / "results").glob("*"))]
+
+
+def run_torchft(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
+    """torchft 0.2.0's failover scenario with no failure; returns the commit timelines."""
+    from ftsystem.baselines.torchft_scenario import run_torchft_failover
+
+    out = run_torchft_failover(num_replicas=replicas, num_failures=0, steps=steps,
+                               model_params=params, workdir=workdir, kill_interval_s=0.0,
+                               victim=0)
+    if out["crashed"]:
+        raise RuntimeError(f"torchft replicas crashed without a failure: {out['crashed']}")
+    return [r["commits"] for r in out["results"]]
+
+
+RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem, "torchft": run_torchft}
+
+
+def measure(params: int, *, steps: int, replicas: int, systems: Sequence[str], rounds: int,
+            workdir: Path) -> dict:
+    """One model size on every system, ``rounds`` times in turn: steps/s (median over the
+    rounds), ratio to DDP, median step time. The order reverses every round (A B C, C B A):
+    a drift in the machine's load then favours no system."""
+    from ftsystem import stall
+
+    warmup = warmup_steps(steps)
+    per_round: dict[str, list] = {name: [] for name in systems}
+    step_s: dict[str, list] = {name: [] for name in systems}
+    for round_ in range(rounds):
+        for name in systems if round_ % 2 == 0 else systems[::-1]:
+            timelines = RUNNERS[name](params=params, steps=steps, replicas=replicas,
+                                      workdir=workdir / f"{name}-{params}-{round_}")
+            per_round[name].append(job_rate(timelines, warmup))
+            step_s[name].append(statistics.median(stall.normal_step_time(tl)
+                                                  for tl in timelines))
+    rates = {name: _median(values) for name, values in per_round.items()}
+    return {"params": params, "steps": steps, "warmup_steps": warmup, "steps_per_s": rates,
+            "ratio_vs_ddp": ratios(rates),
+            "median_step_s": {name: _median(v) for name, v in step_s.items()},
+            "steps_per_s_by_round": per_round}
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+@bench_app.command("overhead")
+def overhead(
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    sizes: Annotated[str, typer.Option(help="approximate model sizes")] = DEFAULT_SIZES,
+    steps: Annotated[int, typer.Option(min=0, help="steps per system (0: by size)")] = 0,
+    replicas: Annotated[int, typer.Option(min=1, help="data-parallel replicas")] = 2,
+    quick: Annotated[bool, typer.Option(help=f"{QUICK_SIZES} parameters, {QUICK_STEPS} "
+                                             "steps (well under a minute)")] = False,
+    skip_torchft: Annotated[bool, typer.Option(help="ddp and ftsystem only")] = False,
+    rounds: Annotated[int, typer.Option(min=1, help="runs per system, in turns")] = 1,
+) -> None:
+    """Steady-state steps/s without failures: ftsystem vs plain DDP vs torchft 0.2.0."""
+    if quick and sizes != DEFAULT_SIZES:
+        typer.secho(f"warning: --sizes has no effect with --quick ({QUICK_SIZES})", err=True)
+    try:
+        params_list = parse_sizes(QUICK_SIZES if quick else sizes)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--sizes") from e
+    systems = [s for s in SYSTEMS if not (skip_torchft and s == "torchft")]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ftsystem-bench-overhead-") as tmp:
+        models = [measure(p, steps=steps or (QUICK_STEPS if quick else default_steps(p)),
+                          replicas=replicas, systems=systems, rounds=rounds,
+                          workdir=Path(tmp))
+                  for p in params_list]
+    rows = [(m["params"], name, m["steps_per_s"][name], m["ratio_vs_ddp"][name],
+             m["median_step_s"][name]) for m in models for name in systems]
+    report.print_table(f"overhead: steady-state throughput, {replicas} replicas, no failures",
+                       ["params", "system", "steps/s", "vs DDP", "median step (s)"], rows)
+    report.write_json(json_path, {
+        "models": models, "replicas": replicas, "rounds": rounds,
+        # Other work on a shared machine moves these figures more than the target's 3%.
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "target": "ftsystem ratio_vs_ddp >= 0.97 and steps/s >= torchft's",
+        "machine": report.machine()})
+
+
+def _ddp_main(steps: Annotated[int, typer.Option()],
+              out: Annotated[Path, typer.Option()],
+              model_params: Annotated[int, typer.Option()] = 0) -> None:
+    ddp_replica(steps, model_params, out)
+
+
+if __name__ == "__main__":  # one DDP rank, started by run_ddp through torchrun
+    typer.run(_ddp_main)

@@ -1,0 +1,65 @@
+"""``ftsystem bench overhead --quick`` end to end: real DDP ranks under torchrun, a real
+``ftsystem run`` (etcd, controller, agents) and real torchft replicas with their lighthouse;
+a tiny model and few steps, so it checks the wiring and the JSON, not the figures."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from ftsystem.benchmarks.overhead import (
+    QUICK_STEPS,
+    SYSTEMS,
+    job_rate,
+    parse_sizes,
+    ratios,
+    steady_rate,
+    warmup_steps,
+)
+from ftsystem.cli import app
+
+
+def test_sizes_parse_with_suffixes_and_refuse_nonsense() -> None:
+    assert parse_sizes("10M, 100M") == [10_000_000, 100_000_000]
+    assert parse_sizes("1.5k,2000") == [1500, 2000]
+    for text in ("", "ten", "0", "10M,-1M"):
+        with pytest.raises(ValueError, match="e.g. 10M,100M"):
+            parse_sizes(text)
+
+
+def test_rates_leave_out_the_warmup() -> None:
+    # Steps 1-2 are slow (start-up); from step 3 on, one step every 0.5 s.
+    timeline = [(1, 10.0), (2, 15.0), (3, 16.0), (4, 16.5), (5, 17.0)]
+    assert steady_rate(timeline, warmup=2) == pytest.approx(2.0)
+    assert steady_rate(timeline, warmup=4) is None
+    assert job_rate([timeline, [(3, 0.0), (5, 2.0)]], warmup=2) == pytest.approx(1.5)
+    assert ratios({"ddp": 2.0, "ftsystem": 1.9, "torchft": None}) == {
+        "ddp": 1.0, "ftsystem": pytest.approx(0.95), "torchft": None}
+    assert warmup_steps(20) == 4 and warmup_steps(5) == 2
+
+
+def test_a_malformed_size_is_a_usage_error() -> None:
+    result = CliRunner().invoke(app, ["bench", "overhead", "--sizes", "big"])
+    assert result.exit_code == 2
+    assert "malformed model size" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
+    out = tmp_path / "overhead.json"
+    result = CliRunner().invoke(app, ["bench", "overhead", "--quick", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {"models", "replicas", "machine"} <= set(data)
+    assert data["replicas"] == 2 and len(data["models"]) == 1
+    model = data["models"][0]
+    assert model["params"] > 0 and model["steps"] == QUICK_STEPS
+    for key in ("steps_per_s", "ratio_vs_ddp", "median_step_s"):
+        assert set(model[key]) == set(SYSTEMS)
+        assert all(math.isfinite(v) and v > 0 for v in model[key].values()), model[key]
+    assert model["ratio_vs_ddp"]["ddp"] == 1.0
+    assert "overhead: steady-state throughput" in result.output
