@@ -231,6 +231,7 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
 # Sub-command modules register themselves on the apps above when imported (one line each).
 # --- registrations ---
 from ftsystem.benchmarks import controller_bench, failover, overhead, rejoin  # noqa: E402,F401
+from ftsystem.benchmarks import ettr_bench  # noqa: E402,F401
 from ftsystem.sim import ettr_cli  # noqa: E402,F401
 from ftsystem.halos import cli as halos_cli  # noqa: E402,F401
 

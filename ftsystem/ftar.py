@@ -128,10 +128,16 @@ class FaultTolerantAllReduce:
         self._run(lambda pg: pg.broadcast([tensor], opts))
 
     def abort(self) -> None:
-        """Drop the current group (its in-flight work is abandoned, see the module doc)."""
+        """Drop the current group (its in-flight work is abandoned, see the module doc).
+
+        The abort runs on a thread of its own: a group whose work waits on a silent peer (a
+        partition drops packets without a reset) blocks its abort until Gloo's own timeout,
+        and the next epoch must not wait for that.
+        """
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            pg.abort(errored=False)
+            threading.Thread(target=pg.abort, kwargs={"errored": False}, daemon=True,
+                             name="ftar-abort").start()
 
     def _run(self, issue: Callable, on_issued: Callable[[], None] | None = None) -> None:
         if self._pg is None:

@@ -276,6 +276,8 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
     results = {}
     for path in sorted((cfg.out_dir / "results").glob("*.json")):
         result = json.loads(path.read_text())
+        # Every generation's commits (the result holds the last generation's only).
+        result["commits"] = stall.read_timeline(path.with_suffix(".commits")) or result["commits"]
         results[result["replica"]] = result
     timeline.draw(results, failures, cfg.out_dir / "timeline.png")
     return summarize(results, failures, wall_s=wall_s, num_replicas=cfg.num_replicas,
@@ -283,12 +285,20 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
         "chaos": sorted((json.loads(v) for v in orders.values()), key=lambda o: o["at"])}
 
 
+def _down_at(rid: str, t: float, timelines: dict, failures: list[dict]) -> bool:
+    """Whether replica ``rid`` had failed and not committed since, at time ``t``: it was not
+    a survivor of a failure then (its own restart gap is not a stall)."""
+    last = max((c[1] for c in timelines[rid] if c[1] <= t), default=float("-inf"))
+    return any(f["replica"] == rid and last <= f["time"] <= t for f in failures)
+
+
 def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
               num_replicas: int, agent_exit_codes: list[int]) -> dict:
     """Pure: the run's summary from replica results and the failure history."""
     timelines = {rid: r["commits"] for rid, r in results.items()}
     for f in failures:
-        f["stall_s"] = stall.failure_stall(timelines, f["time"], [f["replica"]])
+        down = [rid for rid in timelines if _down_at(rid, f["time"], timelines, failures)]
+        f["stall_s"] = stall.failure_stall(timelines, f["time"], [f["replica"], *down])
     hashes = {r["state_hash"] for r in results.values()}
     steps = {r["step"] for r in results.values()}
     stalls = [f["stall_s"] for f in failures if f["stall_s"] is not None]

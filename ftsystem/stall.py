@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import bisect
 import statistics
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 Timeline = Sequence[Sequence[float]]  # [(step, wall_time), ...] in commit order
+
+
+def read_timeline(path: Path) -> list[tuple[int, float]]:
+    """A progress file's ``step unix_time`` lines (one per commit); empty if there is none."""
+    if not path.exists():
+        return []
+    return [(int(step), float(t)) for step, t in
+            (line.split() for line in path.read_text().splitlines() if line)]
 
 
 def gaps(timeline: Timeline) -> list[float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import time
 from pathlib import Path
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
           language: MarkovLanguage, args: argparse.Namespace) -> float | None:
     loss = None  # a replica that joins at the last step commits nothing itself
+    progress = _progress_file(ft, args)
     while ft.step < args.steps:
         batch = language.batch(shard=args.data_shard, step=ft.step,
                                batch_size=args.batch_size, seq_len=model.cfg.seq_len)
@@ -70,7 +72,22 @@ def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
             time.sleep(args.sleep_per_step)
         if ft.commit(loss=step_loss.item(), samples=args.batch_size):
             loss = step_loss.item()
+            if progress is not None:
+                os.write(progress, "{} {!r}\n".format(*ft.commits[-1]).encode())
     return loss
+
+
+def _progress_file(ft: FTReplica, args: argparse.Namespace) -> int | None:
+    """``<out>/<replica>.commits``: ``step unix_time`` per commit, across generations.
+
+    The result JSON holds the last generation's commits only; ETTR needs all of them. One
+    ``write`` per line on an append-only descriptor: a kill never leaves half a line.
+    """
+    if args.out is None:
+        return None
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{ft.ctx.replica_id}.commits"
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
 
 def eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:

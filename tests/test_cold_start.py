@@ -25,7 +25,7 @@ def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_pat
                     train_args=["--sleep-per-step", "0.05"], timeout_s=15, show_progress=False,
                     chaos=kill_everyone, checkpoint_every=EVERY)
     summary = run_job(cfg)
-    results = {p.stem: json.loads(p.read_text()) for p in (cfg.out_dir / "results").glob("*")}
+    results = {p.stem: json.loads(p.read_text()) for p in (cfg.out_dir / "results").glob("*.json")}
     assert len(summary["failures"]) == 2, summary["failures"]
     killed_at = min(f["step"] for f in summary["failures"])
     # The first replica back finds no member to catch up from and loads the newest complete

@@ -163,7 +163,8 @@ def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path) -> li
     if not summary["agents_ok"] or summary["steps"] != steps:
         raise RuntimeError(f"ftsystem run failed ({summary['steps']} of {steps} steps); "
                            f"see the logs in {workdir}")
-    return [json.loads(p.read_text())["commits"] for p in sorted((workdir / "results").glob("*"))]
+    return [json.loads(p.read_text())["commits"]
+            for p in sorted((workdir / "results").glob("*.json"))]
 
 
 def run_torchft(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:

@@ -71,7 +71,8 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
                                           *agent_command(cfg, etcd.url, 2)])
         joiner.wait()
         runner.join()
-    results = {p.stem: json.loads(p.read_text()) for p in (cfg.out_dir / "results").glob("*")}
+    results = {p.stem: json.loads(p.read_text())
+               for p in (cfg.out_dir / "results").glob("*.json")}
     return _measure({r: results[r]["commits"] for r in ("r0", "r1")},
                     results["r2"]["commits"], launched) | {"catchup": results["r2"]["catchup"]}
 
