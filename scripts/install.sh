@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what ftsystem needs on a fresh Debian 12 machine: etcd, Prometheus, util-linux
-# (setpriv), Chromium (the status page's browser test), and a virtual environment .venv with
+# (setpriv), iproute2 (network namespaces), Chromium (the status page's browser test), and a virtual environment .venv with
 # the project and its test dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,7 @@ command -v etcd >/dev/null || missing+=(etcd-server)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v setpriv >/dev/null || missing+=(util-linux)
 command -v chromium >/dev/null || missing+=(chromium)
+command -v ip >/dev/null || missing+=(iproute2)  # network namespaces (partition tests)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
