@@ -24,7 +24,9 @@ from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.procs import die_with_parent, signal_group
+from ftsystem.runtime import DEFAULT_TIMEOUT_S
 from ftsystem.store import HeldKey, Store, StoreError
+from ftsystem.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +43,18 @@ class AgentConfig:
     """The replica's program; run once per rank."""
     num_procs: int = 1
     """Ranks per replica (``--nproc-per-replica``)."""
-    lease_ttl_s: int = 5
-    """Replica lease TTL: the slow path that covers a dead host or a partition."""
+    lease_ttl_s: int = Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
+    """Replica lease TTL: the slow path that covers a dead host or a partition (the CLI
+    derives it from ``--timeout``, see ``ftsystem.timeouts``)."""
     max_restarts: int = 20
     """Restarts before the agent gives up on the replica."""
     backoff_s: float = 0.5
     """First restart delay; doubles per consecutive fast failure, up to ``max_backoff_s``."""
     max_backoff_s: float = 10.0
     """Ceiling of the restart delay."""
-    watchdog_s: float = 60.0
-    """A rank whose heartbeat is older than this is considered hung and the replica restarted."""
+    watchdog_s: float = Timeouts(DEFAULT_TIMEOUT_S).watchdog_s
+    """A rank whose heartbeat is older than this is considered hung and the replica restarted
+    (derived from ``--timeout`` like the lease TTL)."""
     grace_s: float = 10.0
     """How long children get to exit after a forwarded SIGTERM/SIGINT."""
     kill_at: list[FaultPoint] = field(default_factory=list)
