@@ -206,7 +206,13 @@ class Agent:
                 for task in done & pending:
                     pending.discard(task)
                     code = task.result()
-                    if code != 0:
+                    rank = self.children.index(waits[task])
+                    if code != 0 and _finished(heartbeats[rank]):
+                        # Its work was done and recorded: a crash while tearing down does not
+                        # make the replica train again (alone, after the others left).
+                        log.warning("replica %s rank %d finished, then %s while tearing down",
+                                    self.cfg.replica_id, rank, _describe_exit(code))
+                    elif code != 0:
                         return Outcome(False, _describe_exit(code), _last_step(heartbeats))
             return Outcome(True, "finished", _last_step(heartbeats))
         finally:
@@ -221,10 +227,10 @@ class Agent:
             for rank, path in enumerate(heartbeats):
                 try:
                     age = now - path.stat().st_mtime
-                    if runtime.DONE_MARK in path.read_text():
-                        continue  # finished: tearing down is not hanging
                 except FileNotFoundError:
                     continue  # not started beating yet (importing, loading)
+                if _finished(path):
+                    continue  # tearing down is not hanging
                 if age > self.cfg.watchdog_s:
                     await self._dump_stacks(rank)
                     return f"rank {rank} hung: no heartbeat for {age:.0f}s"
@@ -251,6 +257,14 @@ class Agent:
         for child in self.children:
             signal_group(child.pid, signal.SIGKILL)
         await asyncio.gather(*(c.wait() for c in self.children))
+
+
+def _finished(heartbeat: Path) -> bool:
+    """Whether the rank marked its work done (``runtime.Heartbeat.done``)."""
+    try:
+        return runtime.DONE_MARK in heartbeat.read_text()
+    except FileNotFoundError:
+        return False
 
 
 def _last_step(heartbeats: list[Path]) -> int:

@@ -61,6 +61,7 @@ class FaultTolerantAllReduce:
         self.timeout_s = timeout_s
         self.epoch: Epoch | None = None
         self._pg: ProcessGroupGloo | None = None
+        self._aborting: list[threading.Thread] = []
 
     @property
     def rank(self) -> int:
@@ -136,8 +137,18 @@ class FaultTolerantAllReduce:
         """
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            threading.Thread(target=pg.abort, kwargs={"errored": False}, daemon=True,
-                             name="ftar-abort").start()
+            aborting = threading.Thread(target=pg.abort, kwargs={"errored": False},
+                                        daemon=True, name="ftar-abort")
+            aborting.start()
+            self._aborting = [t for t in self._aborting if t.is_alive()] + [aborting]
+
+    def shutdown(self) -> None:
+        """Abort the group and wait (up to the timeout) for every abort still running: a
+        process that exits while one runs in C++ is terminated with SIGABRT."""
+        self.abort()
+        deadline = time.monotonic() + self.timeout_s
+        for thread in self._aborting:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self, issue: Callable, on_issued: Callable[[], None] | None = None) -> None:
         if self._pg is None:

@@ -87,6 +87,7 @@ class FTReplica:
         """Every epoch this process entered: number, reason, wall time, seconds it took."""
         self._fresh = True  # never synced: its state may differ from the job's
         self._member_state = ReplicaState.MEMBER  # DONE once finished: others must see it
+        self._finished = False  # finish() returned: the work is done
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
         self.faults = FaultSchedule.from_env()
@@ -141,8 +142,9 @@ class FTReplica:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()  # the last save in flight completes (or is logged)
-        self.heartbeat.done()
-        self.ftar.abort()
+        if self._finished:
+            self.heartbeat.done()  # from here on only teardown: see Heartbeat.done
+        self.ftar.shutdown()
         self.state_server.shutdown()
         self.snapshotter.shutdown()
         self.control.close()
@@ -473,10 +475,12 @@ class FTReplica:
                 self._enter_epoch(newer_than=self.ftar.epoch.number)
             elif not any(registrations.get(rid) is None or
                          registrations[rid].state != ReplicaState.DONE for rid in agents):
-                return
+                break
             time.sleep(WAIT_POLL_S)
-        log.warning("replica %s: stragglers still not done after %.0f s", self.ctx.replica_id,
-                    linger_s)
+        else:
+            log.warning("replica %s: stragglers still not done after %.0f s",
+                        self.ctx.replica_id, linger_s)
+        self._finished = True
 
     def _needs_donor(self, epoch: Epoch, registrations: dict[str, Registration]) -> bool:
         return self.ctx.replica_id in epoch.members and any(

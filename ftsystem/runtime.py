@@ -120,7 +120,8 @@ class Heartbeat:
         self._write()
 
     def done(self) -> None:
-        """The rank's work is over; what follows is teardown, which is not watched.
+        """The rank's work is over and recorded; what follows is teardown, which the agent
+        neither watches nor counts as a failure if it crashes.
 
         Interpreter shutdown after a job (destructors of process groups and stores, in C++,
         with no Python thread left to beat) has been measured here to take several seconds.
