@@ -313,7 +313,7 @@ class RestartAllJob:
 
     def commits(self) -> dict[str, list[tuple[int, float]]]:
         """Every node's commits so far, over all generations, in order."""
-        return {n.name: read_commits(self.cfg.out_dir / f"{n.name}.commits")
+        return {n.name: read_timeline(self.cfg.out_dir / f"{n.name}.commits")
                 for n in self.nodes}
 
     def starts(self) -> dict[str, list[dict]]:
@@ -342,9 +342,6 @@ def _rendezvous_store(host: str):
     from torch.distributed import TCPStore
     return TCPStore(host, 0, is_master=True, wait_for_workers=False,
                     timeout=timedelta(seconds=RDZV_READ_TIMEOUT_S))
-
-
-read_commits = read_timeline  # the workers write the same progress files as ftsystem.train
 
 
 def _read_json_lines(path: Path) -> list[dict]:

@@ -30,7 +30,7 @@ from ftsystem import ettr, report
 from ftsystem.chaos import ChaosSpec, expand, parse_duration, spec_from_mapping
 from ftsystem.cli import bench_app
 from ftsystem.launcher import replica_id
-from ftsystem.stall import Timeline, normal_step_time
+from ftsystem.stall import Timeline, normal_step_time, read_timeline
 
 QUICK_DURATION_S = 60.0
 BOTH_DO = ("kill", "hang", "partition")
@@ -119,7 +119,6 @@ def run_baseline(*, spec: ChaosSpec, num_replicas: int, duration_s: float, timeo
     from ftsystem.baselines.restart_all import (
         RestartAllConfig,
         final_lineage,
-        read_commits,
         run_restart_all,
     )
     cfg = RestartAllConfig(out_dir=workdir, num_nodes=num_replicas, num_steps=10**9,
@@ -127,7 +126,7 @@ def run_baseline(*, spec: ChaosSpec, num_replicas: int, duration_s: float, timeo
                            timeout_s=timeout_s, deadline_s=duration_s + 600, netns=netns,
                            train_args=train_args)
     summary = run_restart_all(cfg, spec)
-    timelines = {replica_id(i): final_lineage(read_commits(workdir / f"{replica_id(i)}.commits"))
+    timelines = {replica_id(i): final_lineage(read_timeline(workdir / f"{replica_id(i)}.commits"))
                  for i in range(num_replicas)}
     measured = measure(timelines, num_replicas=num_replicas, launched=summary["launched"],
                        end=summary["launched"] + duration_s, injected=summary["failures"])
@@ -171,13 +170,12 @@ def ftsystem_timelines(results: Path) -> tuple[dict[str, Timeline], str]:
     unix_time`` per commit, appended over all generations, as the baseline's worker writes
     one), when the replica program writes one, has the whole history and is used instead.
     """
-    from ftsystem.baselines.restart_all import read_commits
     timelines, complete = {}, True
     for path in sorted(results.glob("*.json")):
         result = json.loads(path.read_text())
         progress = path.with_suffix(".commits")
         complete &= progress.exists()
-        timelines[result["replica"]] = (read_commits(progress) if progress.exists()
+        timelines[result["replica"]] = (read_timeline(progress) if progress.exists()
                                         else result["commits"])
     return timelines, "all generations" if complete else "last generation only"
 
