@@ -130,6 +130,8 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
 @app.command()
 def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         steps: int = typer.Option(300, min=1, help="committed steps to train"),
+        nproc_per_replica: int = typer.Option(1, min=1, help="ranks per replica: the model "
+                                              "is sharded over them with FSDP2"),
         min_replicas: int = typer.Option(1, min=1, help="pause below this many replicas"),
         kill_at: List[str] = typer.Option(
             [], help="inject a fault: STEP:REPLICA[:PHASE], PHASE step (SIGKILL between "
@@ -172,6 +174,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         raise typer.BadParameter(str(e), param_hint="--chaos/--mtbf") from e
     train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
     cfg = RunConfig(chaos=specs, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
+                    nproc_per_replica=nproc_per_replica,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
                     timeout_s=timeout, controller_ports=[port], netns=netns,
                     etcd_members=etcd_members, checkpoint_every=checkpoint_every)

@@ -119,14 +119,21 @@ class FaultTolerantAllReduce:
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
                       ) -> None:
+        future = self.allreduce_sum_async(tensor)
+        if on_issued is not None:
+            on_issued()
+        self.wait(future)
+
+    def allreduce_sum_async(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Issue a sum on the current group and return at once (``wait`` for the result)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._run(lambda pg: pg.allreduce([tensor], opts), on_issued)
+        return self._issue(lambda pg: pg.allreduce([tensor], opts))
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._run(lambda pg: pg.broadcast([tensor], opts))
+        self.wait(self._issue(lambda pg: pg.broadcast([tensor], opts)))
 
     def abort(self) -> None:
         """Drop the current group (its in-flight work is abandoned, see the module doc).
@@ -150,15 +157,17 @@ class FaultTolerantAllReduce:
         for thread in self._aborting:
             thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _run(self, issue: Callable, on_issued: Callable[[], None] | None = None) -> None:
+    def _issue(self, issue: Callable) -> torch.futures.Future:
         if self._pg is None:
             raise CollectiveFailed("no group: configure an epoch first")
         try:
-            future = issue(self._pg).get_future()
+            return issue(self._pg).get_future()
         except RuntimeError as e:
             raise CollectiveFailed(str(e)) from e
-        if on_issued is not None:
-            on_issued()
+
+    def wait(self, future: torch.futures.Future) -> None:
+        """Wait for a collective of the current epoch; a newer epoch or the timeout
+        interrupts the wait (:class:`EpochChanged`, :class:`CollectiveFailed`)."""
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         self._wait(lambda: done.wait(POLL_S), self.epoch)

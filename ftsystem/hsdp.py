@@ -18,6 +18,12 @@ a donor while the others train (``ftsystem.catchup``), so that it joins only a s
 
 The average is over the members that took part: when a replica is missing, its data shard for
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
+
+A replica may have several ranks (``--nproc-per-replica N``): the model is sharded inside the
+replica with FSDP2, rank k all-reduces shard k with rank k of the other replicas, and the
+replica's ranks vote before anything changes their state (``ftsystem.replica_group``), so the
+replica commits all its shards of a step or none. Only rank 0 registers with the controller.
+Catch-up and state sync move shard k from rank k of the donor to rank k of the receiver.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import io
 import logging
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,7 +46,10 @@ from ftsystem.checkpoint import Checkpointer, TrainingState
 from ftsystem.faults import FaultSchedule, InjectedFault
 from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, plan_state_sync
 from ftsystem.membership import Epoch, Registration, ReplicaState
+from ftsystem.overlap import GradientProducedTwice, OverlapInvalid, OverlappedGradSum
+from ftsystem.replica_group import ReplicaGroup, Verdict
 from ftsystem.runtime import ControlPlane, Heartbeat, ReplicaContext
+from ftsystem.shards import flat_grads, load_local_state, local, local_numel, local_state, set_grads
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05
@@ -53,6 +63,8 @@ ENV_CHECKPOINT_DIR = "FTSYSTEM_CHECKPOINT_DIR"
 """Disk checkpoints for cold starts go here (a filesystem every replica shares); unset: none."""
 ENV_CHECKPOINT_EVERY = "FTSYSTEM_CHECKPOINT_EVERY"
 """Committed steps between disk checkpoints (default 100), written by the epoch's rank 0."""
+ENV_OVERLAP = "FTSYSTEM_OVERLAP"
+"""``1`` (default): send gradient buckets during backward; ``0``: one buffer after it."""
 ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
 
@@ -72,12 +84,13 @@ class FTReplica:
     """One replica's side of FT-HSDP: membership, FTAR of gradients, commits, state sync."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 ctx: ReplicaContext | None = None) -> None:
+                 ctx: ReplicaContext | None = None, overlap: bool | None = None) -> None:
+        """``overlap``: send the all-reduce of gradient buckets while backward runs (default:
+        ``FTSYSTEM_OVERLAP``, on). It needs one backward per commit: a program accumulating
+        gradients over several must pass False. Replicas of several ranks never overlap (their
+        FSDP reduce-scatter does, inside the replica)."""
         self.ctx = ctx or ReplicaContext.from_env()
-        if self.ctx.local_world_size != 1:
-            raise NotImplementedError(
-                "replicas of several ranks (FSDP inside a replica) are not built yet; "
-                "run with --nproc-per-replica 1")
+        self.replica = ReplicaGroup(self.ctx.local_world_size)
         self.model, self.optimizer = model, optimizer
         self.started = time.time()
         self.step = 0
@@ -90,13 +103,26 @@ class FTReplica:
         self._finished = False  # finish() returned: the work is done
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
-        self.faults = FaultSchedule.from_env()
-        # The rendezvous store for the epochs this replica leads (it is members[0]).
+        # Injected faults hit one rank (the last): its death takes the whole replica down.
+        last_rank = self.ctx.local_rank == self.ctx.local_world_size - 1
+        self.faults = FaultSchedule.from_env() if last_rank else FaultSchedule([])
+        # The rendezvous store for the epochs this replica leads (it is members[0]), hosted by
+        # its rank 0 for every shard's group.
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
-                                         wait_for_workers=False)
-        self.ftar = FaultTolerantAllReduce(self.control, timeout_s=self.ctx.timeout_s)
+                                         wait_for_workers=False) if self.ctx.local_rank == 0 \
+            else None
+        self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.local_rank,
+                                           timeout_s=self.ctx.timeout_s)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._numel = sum(p.numel() for p in self._params)
+        self._numel = local_numel(self._params)
+        self._dtype = local(self._params[0]).dtype
+        if overlap is None:
+            overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
+        self._overlap = OverlappedGradSum(self._params) \
+            if overlap and self.ctx.local_world_size == 1 else None
+        self._overlap_armed = False
+        self.overlapped_commits = 0
+        """Commits whose gradients went out in buckets during backward."""
         # Catch-up material this replica can donate, and what it learnt catching up itself.
         self.update_log = UpdateLog(int(os.environ.get(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES)))
         self.snapshotter = Snapshotter(self._state, self.ctx.host, self.ctx.timeout_s)
@@ -126,32 +152,42 @@ class FTReplica:
         With no running epoch to catch up with (the job is starting, or every replica died),
         the replica registers ready at once and the epoch's state sync aligns everybody.
         """
-        addresses = dict(store_addr=f"{self.ctx.host}:{self._rendezvous.port}",
-                         state_addr=self.state_server.address,
-                         metrics_addr=metrics.serve(self.ctx.host))
+        addresses = self._addresses()
         epoch = self.control.epoch
         running = epoch is not None and epoch.members and not epoch.paused
-        if running and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
+        # The ranks read the epoch at slightly different times: they decide together.
+        (stopped,) = self.replica.any(not running)
+        if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             self._catch_up()
-        elif not running and self.checkpointer is not None:
+        elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
+        self.replica.barrier()  # the replica is ready when every rank is
         self.control.register(state=ReplicaState.READY, step=self.step, **addresses)
         self._enter_epoch(newer_than=0)
+
+    def _addresses(self) -> dict[str, str]:
+        """What rank 0 registers: its rendezvous store, every rank's state server (one
+        ``host:port`` per rank, comma-separated, in rank order), its metrics endpoint."""
+        store = f"{self.ctx.host}:{self._rendezvous.port}" if self._rendezvous else ""
+        return dict(store_addr=store, state_addr=",".join(self.replica.gather(
+                        self.state_server.address)),
+                    metrics_addr=metrics.serve(self.ctx.host))
 
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()  # the last save in flight completes (or is logged)
         if self._finished:
             self.heartbeat.done()  # from here on only teardown: see Heartbeat.done
+        if self._overlap is not None:
+            self._overlap.remove()
         self.ftar.shutdown()
         self.state_server.shutdown()
         self.snapshotter.shutdown()
         self.control.close()
 
     def _state(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "step": self.step}
+        return {**local_state(self.model, self.optimizer), "step": self.step}
 
     # --- the step --------------------------------------------------------------------------
 
@@ -163,25 +199,10 @@ class FTReplica:
         ``self.step``. ``loss`` and ``samples`` of the step only feed the metrics.
         """
         self.faults.check(self.step, "step")
-        while True:
-            latest = self.control.epoch
-            if latest.number > self.ftar.epoch.number and self._enter_epoch(
-                    newer_than=self.ftar.epoch.number):
-                return False
-            # A fresh buffer per attempt (an abandoned one may still be written into); the
-            # gradients themselves stay untouched until the commit, so a retry reuses them.
-            buf = self._flat_grads()
-            started = time.monotonic()
-            try:
-                self.ftar.allreduce_sum(
-                    buf, on_issued=lambda: self.faults.check(self.step, "allreduce"))
-                self.faults.check(self.step, "fail-allreduce")
-                break
-            except EpochChanged:
-                continue
-            except (CollectiveFailed, InjectedFault) as e:
-                self._await_repair(self.ftar.epoch.number, e)
-        metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
+        overlapped, self._overlap_armed = self._overlap_armed, False
+        buf = self._sum_gradients(overlapped)
+        if buf is None:
+            return False
         buf /= self.ftar.world_size
         self._apply_update(buf)
         self._committed()
@@ -191,7 +212,73 @@ class FTReplica:
             metrics.LOSS.labels(*self._labels).set(loss)
         self.snapshotter.after_commit(self.step)
         self._maybe_checkpoint()
+        # Here too, not only on entry: once armed, the next backward sends buckets, and a
+        # "step" fault must strike before anything of the next step is on the wire.
+        self.faults.check(self.step, "step")
+        self._arm_overlap()
         return True
+
+    def _sum_gradients(self, overlapped: bool) -> torch.Tensor | None:
+        """The gradients summed over the epoch's members, retried in newer epochs until the
+        replica's ranks agree; None when entering an epoch replaced this replica's state."""
+        while True:
+            newest = self.replica.max(self.control.epoch.number)
+            if newest > self.ftar.epoch.number:
+                if overlapped:  # its buckets went to the old epoch's group
+                    self._overlap.disarm()
+                overlapped = False
+                if self._enter_epoch(newer_than=self.ftar.epoch.number, at_least=newest):
+                    return None
+            started, error, buf, sent_early = time.monotonic(), None, None, overlapped
+            try:
+                buf = self._sum_overlapped() if overlapped else self._sum_flat()
+                self.faults.check(self.step, "fail-allreduce")
+            except (EpochChanged, CollectiveFailed, InjectedFault) as e:
+                error = e
+            # A retry runs in a new group (see _after_failed_vote), where every member sends
+            # one buffer after backward: nobody's buckets are on that group's wire.
+            overlapped = False
+            verdict = self._vote(error, self.ftar.epoch.number)
+            if verdict.ok:
+                metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
+                if sent_early:
+                    self.overlapped_commits += 1
+                    metrics.FTAR_OVERLAPPED.labels(*self._labels).inc()
+                return buf
+            self._after_failed_vote(verdict, error)
+
+    def _sum_flat(self) -> torch.Tensor:
+        # A fresh buffer per attempt (an abandoned one may still be written into); the
+        # gradients themselves stay untouched until the commit, so a retry reuses them.
+        buf = self._flat_grads()
+        self.ftar.allreduce_sum(buf, on_issued=lambda: self.faults.check(self.step, "allreduce"))
+        return buf
+
+    def _sum_overlapped(self) -> torch.Tensor:
+        """Wait for the buckets that backward sent (and send those it could not)."""
+        self.faults.check(self.step, "allreduce")  # the buckets are on the wire
+        try:
+            return self._overlap.finish(self.ftar.wait)
+        except GradientProducedTwice as e:
+            raise RuntimeError(f"{e}: construct FTReplica(..., overlap=False) or set "
+                               f"{ENV_OVERLAP}=0 for this program") from e
+        except OverlapInvalid as e:
+            raise CollectiveFailed(str(e)) from e
+
+    def _arm_overlap(self) -> None:
+        """Let the next backward send its gradient buckets on the current epoch's group.
+
+        A member arms only after an all-reduce of its gradients succeeded on that group. So
+        on every member the first all-reduce on a newly configured group is one flat buffer
+        (a joiner's first step, a retry, a step recomputed after a state replacement), and
+        the later ones are bucketed: the members' collectives on one group always pair up.
+        """
+        if self._overlap is None or self._finished:
+            return
+        buf = self.update_log.recycle(self._numel, self._dtype)
+        self._overlap.arm(buf if buf is not None else torch.empty(self._numel, dtype=self._dtype),
+                          self.ftar.allreduce_sum_async)
+        self._overlap_armed = True
 
     def _maybe_checkpoint(self) -> None:
         """Rank 0 of the epoch writes the disk checkpoints (all members hold the same state)."""
@@ -214,19 +301,13 @@ class FTReplica:
                  step, self.checkpointer.directory)
 
     def _flat_grads(self) -> torch.Tensor:
-        """One buffer of every gradient. Parameters without one take part with zeros: every
-        replica must all-reduce the same layout, and the update log replays what was applied."""
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                 for p in self._params]
-        out = self.update_log.recycle(self._numel, grads[0].dtype)
-        return torch.cat(grads) if out is None else torch.cat(grads, out=out)
+        """This rank's gradient shards in one buffer (the layout the update log replays)."""
+        return flat_grads(self._params, self.update_log.recycle(self._numel, self._dtype))
 
     def _apply_update(self, update: torch.Tensor) -> None:
         """Set the averaged gradient and step the optimizer: committed step ``step + 1``."""
         self.snapshotter.before_mutation()
-        for param, grad in zip(self._params, update.split([p.numel() for p in self._params])):
-            param.grad = grad.view_as(param).clone() if param.grad is None else \
-                param.grad.copy_(grad.view_as(param))
+        set_grads(self._params, update)
         self.optimizer.step()
 
     def _committed(self) -> None:
@@ -240,11 +321,27 @@ class FTReplica:
         self.heartbeat.beat(self.step)
         self.control.report(step=self.step)
 
+    def _vote(self, error: Exception | None, epoch: int, replaced: bool = False) -> Verdict:
+        return self.replica.vote(
+            failed=isinstance(error, (CollectiveFailed, InjectedFault)),
+            superseded=isinstance(error, EpochChanged), epoch=epoch, replaced=replaced)
+
+    def _after_failed_vote(self, verdict: Verdict, error: Exception | None) -> None:
+        """A newer epoch already exists (the next attempt enters it), or the attempt failed
+        on some rank, or the ranks used different epochs: then a new epoch must come."""
+        if verdict.failed or verdict.split:
+            self._await_repair(verdict.highest, error or CollectiveFailed(
+                f"ranks of the replica failed or used different epochs "
+                f"({verdict.lowest}..{verdict.highest})"))
+        else:
+            self.ftar.abort()
+
     def _await_repair(self, failed: int, error: Exception) -> None:
         """After a failure in epoch ``failed``: a peer died (its removal epoch is coming) or
         nobody did (then ask the leader for a new epoch); give up after the timeout."""
         metrics.FTAR_FAILURES.labels(*self._labels).inc()
-        log.warning("replica %s step %d: %s", self.ctx.replica_id, self.step, error)
+        log.warning("replica %s rank %d step %d: %s", self.ctx.replica_id, self.ctx.local_rank,
+                    self.step, error)
         self.ftar.abort()
         # If nobody died, no epoch would come: ask the leader for one (it reconfigures all).
         self.control.register(resync_after=failed)
@@ -255,33 +352,35 @@ class FTReplica:
 
     # --- epochs ----------------------------------------------------------------------------
 
-    def _enter_epoch(self, newer_than: int) -> bool:
-        """Join the newest epoch that has this replica as a trainable member; sync state.
-
-        Returns True when this replica's state was replaced by a peer's.
+    def _enter_epoch(self, newer_than: int, at_least: int = 0) -> bool:
+        """Join the newest epoch (numbered ``at_least`` or above) that has this replica as a
+        trainable member; sync state. Returns True when the state was replaced by a peer's.
         """
         started = time.monotonic()
         try:
             while True:
-                epoch = self._wait_member_epoch(newer_than)
+                epoch = self._wait_member_epoch(max(newer_than, at_least - 1))
+                staged, error = None, None
                 try:
                     self.ftar.configure(epoch)
-                    replaced = self._sync_state()
-                except EpochChanged:
-                    self.ftar.abort()
-                    newer_than = epoch.number
-                    continue
-                except CollectiveFailed as e:
-                    self._await_repair(epoch.number, e)
-                    newer_than = epoch.number
-                    continue
-                took = time.monotonic() - started
-                self.epochs.append({"number": epoch.number, "reason": epoch.reason,
-                                    "time": time.time(), "seconds": took,
-                                    "members": list(epoch.members)})
-                metrics.EPOCH_CHANGE.labels(*self._labels, epoch.reason).observe(took)
-                self.control.register(state=self._member_state, step=self.step)
-                return replaced
+                    staged = self._stage_sync()
+                except (EpochChanged, CollectiveFailed) as e:
+                    error = e
+                verdict = self._vote(error, epoch.number, replaced=staged is not None)
+                if verdict.ok:
+                    break
+                self._after_failed_vote(verdict, error)
+                newer_than = verdict.highest
+            if staged is not None:
+                staged()
+            self._fresh = False
+            took = time.monotonic() - started
+            self.epochs.append({"number": epoch.number, "reason": epoch.reason,
+                                "time": time.time(), "seconds": took,
+                                "members": list(epoch.members)})
+            metrics.EPOCH_CHANGE.labels(*self._labels, epoch.reason).observe(took)
+            self.control.register(state=self._member_state, step=self.step)
+            return verdict.replaced
         finally:
             metrics.STALL.labels(*self._labels).inc(time.monotonic() - started)
 
@@ -299,13 +398,14 @@ class FTReplica:
                 raise ReplicaEvictedError(f"replica {me} was removed in epoch {epoch.number}")
             newer_than = epoch.number  # paused, or a join that does not include us yet
 
-    def _sync_state(self) -> bool:
+    def _stage_sync(self) -> Callable[[], None] | None:
         """Compare committed steps with the other members; bring the ones behind up to date.
 
         Members behind by a few steps (an uncommitted step, a joiner that caught up) receive
-        the donor's logged updates and replay them; fresh members, or ones behind what the
-        donor's log holds, receive its whole state. Returns True if this replica's state
-        changed.
+        the donor's logged updates to replay; fresh members, or ones behind what the donor's
+        log holds, receive its whole state. What was received is returned as a function that
+        applies it (None: this rank's state stays), to be called once the replica's ranks
+        agreed: all shards of a replica change together or none does.
         """
         n, rank = self.ftar.world_size, self.ftar.rank
         # What this replica can donate is fixed now: the session expiry may trim the log later.
@@ -317,22 +417,20 @@ class FTReplica:
         steps = [int(s) for s in info[0::3].tolist()]
         fresh = [bool(f) for f in info[1::3].tolist()]
         donor, receivers = plan_state_sync(steps, fresh)
-        self._fresh = False
         if not receivers:
-            return False
+            return None
         first_needed = min(steps[r] for r in receivers) + 1
         donor_oldest = int(info[3 * donor + 2])
         if not any(fresh[r] for r in receivers) and 0 <= donor_oldest <= first_needed:
-            self._sync_by_log(rank, donor, first_needed, steps[donor], held)
+            apply = self._sync_by_log(rank, donor, first_needed, steps[donor], held)
         else:
-            self._sync_by_state(rank, donor)
-        return rank in receivers
+            apply = self._sync_by_state(rank, donor)
+        return apply if rank in receivers else None
 
     def _sync_by_log(self, rank: int, donor: int, first: int, last: int,
-                     held: list[tuple[int, torch.Tensor]]) -> None:
+                     held: list[tuple[int, torch.Tensor]]) -> Callable[[], None]:
         """Broadcast the donor's updates for steps ``first..last``; replay the missing ones."""
-        size = sum(p.numel() for p in self._params)
-        updates = torch.zeros(last - first + 1, size, dtype=self._params[0].dtype)
+        updates = torch.zeros(last - first + 1, self._numel, dtype=self._dtype)
         if rank == donor:
             rows = [(step, update) for step, update in held if first <= step <= last]
             if [step for step, _ in rows] != list(range(first, last + 1)):
@@ -341,10 +439,13 @@ class FTReplica:
             for step, update in rows:
                 updates[step - first].copy_(update)
         self.ftar.broadcast(updates, donor)
-        for step in range(self.step + 1, last + 1):
-            self._replay(updates[step - first])
 
-    def _sync_by_state(self, rank: int, donor: int) -> None:
+        def replay() -> None:
+            for step in range(self.step + 1, last + 1):
+                self._replay(updates[step - first])
+        return replay
+
+    def _sync_by_state(self, rank: int, donor: int) -> Callable[[], None]:
         payload = self._serialize() if rank == donor else b""
         size = torch.tensor([float(len(payload))], dtype=torch.float64)
         self.ftar.allreduce_sum(size)
@@ -352,10 +453,13 @@ class FTReplica:
         if rank == donor:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.ftar.broadcast(buf, donor)
-        if rank != donor:
+        source = self.ftar.epoch.members[donor]
+
+        def load() -> None:
             self._load(torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True))
-            log.info("replica %s loaded state at step %d from %s", self.ctx.replica_id,
-                     self.step, self.ftar.epoch.members[donor])
+            log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
+                     self.ctx.local_rank, self.step, source)
+        return load
 
     def _replay(self, update: torch.Tensor) -> None:
         """Apply a logged update of a peer: this replica commits the same step bit for bit."""
@@ -373,8 +477,7 @@ class FTReplica:
     def _load(self, state: dict) -> None:
         self.snapshotter.before_mutation()
         self.update_log.clear()
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        load_local_state(self.model, self.optimizer, state)
         self.step = state["step"]
         self.heartbeat.beat(self.step)
 
@@ -427,9 +530,20 @@ class FTReplica:
         while not avoid or time.monotonic() < deadline:
             assignment = self.control.get_json(key)
             if assignment is not None and assignment["donor"] not in avoid:
-                return assignment["donor"], assignment["state_addr"]
+                donor = assignment["donor"]
+                return donor, self._shard_server(assignment) if donor else ""
             time.sleep(WAIT_POLL_S)
         return None, ""
+
+    def _shard_server(self, assignment: dict) -> str:
+        """The donor's state server for this rank's shard (rank k serves shard k)."""
+        addrs = assignment["state_addr"].split(",")
+        if len(addrs) != self.ctx.local_world_size:
+            raise RuntimeError(
+                f"donor {assignment['donor']} has {len(addrs)} ranks, this replica "
+                f"{self.ctx.local_world_size}: every replica of a job needs the same "
+                "--nproc-per-replica")
+        return addrs[self.ctx.local_rank]
 
     def _replay_from(self, addr: str) -> int | None:
         """Replay the donor's logged updates after our step; the donor's head, or None if
@@ -468,18 +582,25 @@ class FTReplica:
         self._member_state = ReplicaState.DONE
         self.control.register(state=ReplicaState.DONE, step=self.step)
         deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline:
+        while True:
             registrations, agents = self._job_replicas()
             latest = self.control.epoch
-            if latest.number > self.ftar.epoch.number and self._needs_donor(latest, registrations):
+            # Every rank of the replica takes the same branch: each one's collectives pair up.
+            enter, everyone_done, timed_out = self.replica.any(
+                latest.number > self.ftar.epoch.number and self._needs_donor(latest,
+                                                                              registrations),
+                not any(registrations.get(rid) is None or
+                        registrations[rid].state != ReplicaState.DONE for rid in agents),
+                time.monotonic() > deadline)
+            if timed_out:
+                log.warning("replica %s: stragglers still not done after %.0f s",
+                            self.ctx.replica_id, linger_s)
+                break
+            if enter:
                 self._enter_epoch(newer_than=self.ftar.epoch.number)
-            elif not any(registrations.get(rid) is None or
-                         registrations[rid].state != ReplicaState.DONE for rid in agents):
+            elif everyone_done:
                 break
             time.sleep(WAIT_POLL_S)
-        else:
-            log.warning("replica %s: stragglers still not done after %.0f s",
-                        self.ctx.replica_id, linger_s)
         self._finished = True
 
     def _needs_donor(self, epoch: Epoch, registrations: dict[str, Registration]) -> bool:
@@ -496,9 +617,10 @@ class FTReplica:
         return regs, agents
 
     def state_hash(self) -> str:
-        """SHA-256 of the parameters and optimizer state: equal across replicas at equal steps."""
+        """SHA-256 of this rank's parameters and optimizer state (its shard): equal across
+        replicas at equal steps, rank by rank."""
         digest = hashlib.sha256()
-        for tensor in tree_tensors([self.model.state_dict(), self.optimizer.state_dict()]):
+        for tensor in tree_tensors(local_state(self.model, self.optimizer)):
             digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
                           .numpy().tobytes())
         return digest.hexdigest()

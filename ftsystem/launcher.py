@@ -60,6 +60,9 @@ class RunConfig:
     """Data-parallel replicas (one agent each)."""
     num_steps: int = 300
     """Committed steps to train."""
+    nproc_per_replica: int = 1
+    """Ranks per replica: the model is sharded over them (FSDP2); a rank's death restarts its
+    replica."""
     min_replicas: int = 1
     """The job pauses below this many replicas."""
     etcd: str | None = None
@@ -219,6 +222,7 @@ def agent_command(cfg: RunConfig, etcd: str, index: int, *, host: str = "127.0.0
     train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
              "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args]
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
+                "--nproc-per-replica", str(cfg.nproc_per_replica),
                 "--timeout", str(cfg.timeout_s), "--host", host, *kills, "--", *train)
 
 

@@ -34,6 +34,9 @@ STEP_DURATION = Histogram("ftsystem_step_duration_seconds", "Wall time per commi
                           ["job", "replica"], buckets=_LATENCY_BUCKETS)
 FTAR_DURATION = Histogram("ftsystem_ftar_duration_seconds", "Fault-tolerant all-reduce time",
                           ["job", "replica"], buckets=_LATENCY_BUCKETS)
+FTAR_OVERLAPPED = Counter("ftsystem_ftar_overlapped_total",
+                          "Gradient all-reduces sent in buckets during backward",
+                          ["job", "replica"])
 FTAR_FAILURES = Counter("ftsystem_ftar_failures_total", "All-reduce attempts that failed",
                         ["job", "replica"])
 STALL = Counter("ftsystem_stall_seconds_total",

@@ -185,12 +185,20 @@ class ControlPlane:
             epoch = self._epoch
         return epoch if epoch is not None and epoch.number > newer_than else None
 
+    @property
+    def speaks_for_replica(self) -> bool:
+        """Rank 0 alone publishes the replica's registration; the other ranks only follow."""
+        return self.ctx.local_rank == 0
+
     def register(self, **changes: Any) -> None:
         """Publish this replica's registration (bound to the agent's lease), waiting for it."""
-        self._bg.run(self._put_registration(changes), timeout=self.ctx.timeout_s)
+        if self.speaks_for_replica:
+            self._bg.run(self._put_registration(changes), timeout=self.ctx.timeout_s)
 
     def report(self, **changes: Any) -> None:
         """Publish without waiting (step progress); skipped while the previous one is in flight."""
+        if not self.speaks_for_replica:
+            return
         if self._pending_report is None or self._pending_report.done():
             self._pending_report = self._bg.submit(self._put_registration(changes))
 

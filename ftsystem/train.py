@@ -3,11 +3,16 @@
 Run it under an agent: ``ftsystem agent ... -- python -m ftsystem.train --steps 300``. At the end
 it writes ``OUT/<replica>.json`` (commits with wall times, epochs entered, final losses, the state
 hash) for the run's summary.
+
+Under ``--nproc-per-replica N`` each of the replica's N ranks runs this program: the model is
+sharded over them with FSDP2 (each transformer block, then the rest), rank k reads data shard
+``replica_shard * N + k``, and rank 0 writes the result, with every rank's shard hash.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import logging
@@ -15,8 +20,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import fully_shard
 
 from ftsystem.hsdp import FTReplica
+from ftsystem.replica_group import init_replica_group
 from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 EVAL_SHARD = -1  # a shard no replica trains on
@@ -33,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="approximate parameter count (0: the small default model)")
     p.add_argument("--sleep-per-step", type=float, default=0.0,
                    help="extra seconds per step, to emulate a slower accelerator")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="all-reduce the gradients after backward, not in buckets during it")
     p.add_argument("--out", type=Path, default=None, help="directory for the result JSON")
     p.add_argument("--linger", type=float, default=120.0,
                    help="seconds a finished replica waits to serve replicas still restarting")
@@ -46,9 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     cfg = ModelConfig.for_params(args.model_params) if args.model_params else ModelConfig()
     model = TinyGPT(cfg)
+    ranks = init_replica_group()
+    if ranks > 1:
+        shard_model(model)
     language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ft = FTReplica(model, optimizer)
+    ft = FTReplica(model, optimizer, overlap=False if args.no_overlap else None)
     try:
         ft.start()
         loss = train(ft, model, optimizer, language, args)
@@ -58,12 +70,20 @@ def main(argv: list[str] | None = None) -> None:
         ft.close()
 
 
+def shard_model(model: TinyGPT) -> None:
+    """FSDP2 over the replica's ranks: each block is one unit, the embeddings and norm another."""
+    for block in model.blocks.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+
 def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
           language: MarkovLanguage, args: argparse.Namespace) -> float | None:
     loss = None  # a replica that joins at the last step commits nothing itself
     progress = _progress_file(ft, args)
+    shard = args.data_shard * ft.ctx.local_world_size + ft.ctx.local_rank
     while ft.step < args.steps:
-        batch = language.batch(shard=args.data_shard, step=ft.step,
+        batch = language.batch(shard=shard, step=ft.step,
                                batch_size=args.batch_size, seq_len=model.cfg.seq_len)
         optimizer.zero_grad()
         step_loss = model.loss(batch)
@@ -83,7 +103,7 @@ def _progress_file(ft: FTReplica, args: argparse.Namespace) -> int | None:
     The result JSON holds the last generation's commits only; ETTR needs all of them. One
     ``write`` per line on an append-only descriptor: a kill never leaves half a line.
     """
-    if args.out is None:
+    if args.out is None or ft.ctx.local_rank != 0:
         return None
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{ft.ctx.replica_id}.commits"
@@ -98,14 +118,23 @@ def eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:
 
 def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
                  args: argparse.Namespace, loss: float | None) -> None:
+    """Rank 0 writes the replica's result; the state hash covers every rank's shard."""
     if args.out is None:
+        return
+    evaluated = eval_loss(model, language)  # a forward of a sharded model needs every rank
+    shard_hashes = ft.replica.gather(ft.state_hash())
+    shard_catchup = [json.loads(s) for s in ft.replica.gather(json.dumps(ft.catchup_stats))]
+    if ft.ctx.local_rank != 0:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,
               "started": ft.started, "resumed_from": ft.resumed_from,
               "commits": ft.commits, "epochs": ft.epochs, "catchup": ft.catchup_stats,
+              "overlapped_commits": ft.overlapped_commits,
+              "shard_catchup": shard_catchup,
               "train_loss": loss,
-              "eval_loss": eval_loss(model, language), "state_hash": ft.state_hash(),
+              "eval_loss": evaluated, "shard_hashes": shard_hashes,
+              "state_hash": hashlib.sha256("".join(shard_hashes).encode()).hexdigest(),
               "num_params": num_params(model)}
     (args.out / f"{ft.ctx.replica_id}.json").write_text(json.dumps(result))
 

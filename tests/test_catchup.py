@@ -64,9 +64,10 @@ def test_reconciles_a_step_committed_by_some_members_only(etcd, job_id, tmp_path
     results = load_results(tmp_path)
     for rid in ("r0", "r1", "r2"):
         assert any(e["reason"] == "resync" for e in results[rid]["epochs"])
-    # r2 did not commit step 51 itself: it replayed r0/r1's update for it
+    # r2 did not commit step 51 itself: it replayed the update of a member that did (r2's
+    # abort may also fail the end of a peer's all-reduce; that peer then replays too).
     assert 51 not in [s for s, _ in results["r2"]["commits"]]
-    assert 51 in [s for s, _ in results["r0"]["commits"]]
+    assert any(51 in [s for s, _ in results[rid]["commits"]] for rid in ("r0", "r1"))
 
 
 def _registration(etcd_url: str, job: str, rid: str) -> dict | None:

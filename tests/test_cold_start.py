@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from ftsystem.chaos import parse_specs
 from ftsystem.checkpoint import Checkpointer
 from ftsystem.launcher import RunConfig, run_job
@@ -13,7 +15,8 @@ from ftsystem.launcher import RunConfig, run_job
 EVERY = 10
 
 
-def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-ranks-fsdp2"])
+def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_path, ranks):
     kill_everyone = parse_specs(textwrap.dedent("""
         action: kill
         mode: percent
@@ -21,7 +24,10 @@ def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_pat
         schedule: "@every 12s"
         horizon: 13s
     """))
-    cfg = RunConfig(num_replicas=2, num_steps=150, out_dir=tmp_path / "run",
+    # With 2 ranks per replica, each replica's checkpoint holds both FSDP2 shards, written
+    # and read collectively by its ranks.
+    cfg = RunConfig(num_replicas=2, nproc_per_replica=ranks, num_steps=150,
+                    out_dir=tmp_path / "run",
                     train_args=["--sleep-per-step", "0.05"], timeout_s=15, show_progress=False,
                     chaos=kill_everyone, checkpoint_every=EVERY)
     summary = run_job(cfg)

@@ -77,7 +77,11 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
                              text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     cfg = RunConfig(num_replicas=2, num_steps=300, etcd=etcd.url, job=job_id,
-                    out_dir=tmp_path / "run", kills=[ReplicaKill(1, FaultPoint(60, "step"))],
+                    out_dir=tmp_path / "run",
+                    # A failed all-reduce on r0 feeds the FTAR failure panel (a peer's death
+                    # may surface as an epoch change instead, which is not a failure).
+                    kills=[ReplicaKill(1, FaultPoint(60, "step")),
+                           ReplicaKill(0, FaultPoint(30, "fail-allreduce"))],
                     train_args=["--sleep-per-step", "0.03"], controller_ports=[controller],
                     show_progress=False)
     prom = f"http://127.0.0.1:{free_port()}"

@@ -5,6 +5,8 @@ optimizer and number of replicas (one process each, one compute thread each) on 
 
 - ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, under torchrun;
 - ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures;
+- ``ftsystem-flat``: the same with ``--no-overlap``: one all-reduce after backward instead of
+  gradient buckets sent during it, to show what the overlap is worth;
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
@@ -14,6 +16,7 @@ median over its replicas (they step in lockstep). No failure is injected.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -29,7 +32,7 @@ import typer
 from ftsystem import report
 from ftsystem.cli import bench_app
 
-SYSTEMS = ("ddp", "ftsystem", "torchft")
+SYSTEMS = ("ddp", "ftsystem", "ftsystem-flat", "torchft")
 DEFAULT_SIZES = "10M,100M"
 QUICK_SIZES = "100K"
 QUICK_STEPS = 20
@@ -150,13 +153,15 @@ def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[li
 
 # --- ftsystem and torchft -------------------------------------------------------------------------
 
-def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
+def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
+                 overlap: bool = True) -> list[list]:
     """``run_job`` without failures; returns each replica's commit timeline."""
     from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
     from ftsystem.launcher import RunConfig, run_job
 
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
-                  "--lr", str(LEARNING_RATE), "--seed", str(SEED)]
+                  "--lr", str(LEARNING_RATE), "--seed", str(SEED),
+                  *([] if overlap else ["--no-overlap"])]
     cfg = RunConfig(num_replicas=replicas, num_steps=steps, job="overhead",
                     out_dir=workdir, train_args=train_args, show_progress=False)
     summary = run_job(cfg)
@@ -179,7 +184,9 @@ def run_torchft(*, params: int, steps: int, replicas: int, workdir: Path) -> lis
     return [r["commits"] for r in out["results"]]
 
 
-RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem, "torchft": run_torchft}
+RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
+           "ftsystem-flat": functools.partial(run_ftsystem, overlap=False),
+           "torchft": run_torchft}
 
 
 def measure(params: int, *, steps: int, replicas: int, systems: Sequence[str], rounds: int,

@@ -1,0 +1,108 @@
+"""The ranks of one replica: the static group FSDP shards over, and the replica's own votes.
+
+A replica of N ranks is one member of the job. Rank k takes part in the cross-replica group of
+shard k (``FaultTolerantAllReduce(shard_index=k)``), and the replica commits a step only when
+every one of its ranks succeeded in the same epoch (DESIGN, step protocol, step 3): otherwise
+shard 0 could commit step t while shard 1 does not, and no peer could repair the mix. So each
+attempt (an all-reduce of the gradients, or entering an epoch) ends with a :meth:`vote`, and
+whatever changes the state is applied only after the vote passed.
+
+Votes travel over a Gloo group of the replica's ranks (CPU-side control, whatever backend
+moves the shards). Their timeout is the process group's default: a dead rank takes its whole
+replica down through the agent, so a vote never waits on a dead peer for long. A replica of
+one rank has no group, and every agreement is its own decision.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the ranks of a replica reported for one attempt."""
+
+    failed: bool
+    """Some rank's collective failed: nobody else may publish a newer epoch, ask for one."""
+    superseded: bool
+    """Some rank found a newer epoch published while it waited."""
+    lowest: int
+    highest: int
+    """The epoch numbers the ranks used: they differ when ranks entered different epochs."""
+    replaced: bool
+    """Some rank's state was replaced by a peer's (its gradients are stale)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.superseded and self.lowest == self.highest
+
+    @property
+    def split(self) -> bool:
+        return self.lowest != self.highest
+
+
+class ReplicaGroup:
+    """Agreement among the ranks of one replica (trivial for a replica of one rank)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._group = None
+        if size > 1:
+            if not dist.is_initialized() or dist.get_world_size() != size:
+                raise RuntimeError(
+                    f"a replica of {size} ranks needs its process group before FTReplica: "
+                    "call ftsystem.replica_group.init_replica_group() first, then shard the "
+                    "model with fully_shard and build the optimizer")
+            self._group = dist.new_group(backend="gloo")
+
+    def _max(self, values: list[float]) -> list[float]:
+        if self._group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return tensor.tolist()
+
+    def vote(self, *, failed: bool, superseded: bool, epoch: int, replaced: bool = False
+             ) -> Verdict:
+        f, s, hi, neg_lo, r = self._max([failed, superseded, epoch, -epoch, replaced])
+        return Verdict(failed=bool(f), superseded=bool(s), lowest=int(-neg_lo), highest=int(hi),
+                       replaced=bool(r))
+
+    def any(self, *flags: bool) -> tuple[bool, ...]:
+        """Per flag: whether it holds on some rank."""
+        return tuple(bool(f) for f in self._max([float(f) for f in flags]))
+
+    def max(self, value: int) -> int:
+        return int(self._max([value])[0])
+
+    def gather(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order."""
+        if self._group is None:
+            return [text]
+        out: list[str] = [""] * self.size
+        dist.all_gather_object(out, text, group=self._group)
+        return out
+
+    def barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+
+def init_replica_group() -> int:
+    """Start the process group of this replica's ranks from the agent's environment.
+
+    Call it first thing in a replica of several ranks (before ``fully_shard``); it returns the
+    number of ranks and does nothing for a replica of one. NCCL carries the shards on GPU,
+    Gloo on CPU.
+    """
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if size > 1 and not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return size
