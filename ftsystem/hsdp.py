@@ -46,7 +46,8 @@ from ftsystem.checkpoint import Checkpointer, TrainingState
 from ftsystem.faults import FaultSchedule, InjectedFault
 from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, plan_state_sync
 from ftsystem.membership import Epoch, Registration, ReplicaState
-from ftsystem.overlap import GradientProducedTwice, OverlapInvalid, OverlappedGradSum
+from ftsystem.overlap import (DEFAULT_BUCKET_CAP_BYTES, GradientProducedTwice, OverlapInvalid,
+                              OverlappedGradSum)
 from ftsystem.replica_group import ReplicaGroup, Verdict
 from ftsystem.runtime import ControlPlane, Heartbeat, ReplicaContext
 from ftsystem.shards import flat_grads, load_local_state, local, local_numel, local_state, set_grads
@@ -64,7 +65,10 @@ ENV_CHECKPOINT_DIR = "FTSYSTEM_CHECKPOINT_DIR"
 ENV_CHECKPOINT_EVERY = "FTSYSTEM_CHECKPOINT_EVERY"
 """Committed steps between disk checkpoints (default 100), written by the epoch's rank 0."""
 ENV_OVERLAP = "FTSYSTEM_OVERLAP"
-"""``1`` (default): send gradient buckets during backward; ``0``: one buffer after it."""
+"""``1``: send gradient buckets during backward; ``0``: one buffer after it; unset: buckets when
+the gradients are on a GPU (see :func:`overlap_by_default`)."""
+ENV_BUCKET_BYTES = "FTSYSTEM_BUCKET_BYTES"
+"""Largest gradient bucket of the overlap (default 25 MiB, like DDP's ``bucket_cap_mb``)."""
 ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
 
@@ -74,6 +78,20 @@ def _checkpointer_from_env() -> Checkpointer | None:
     if not directory:
         return None
     return Checkpointer(directory, int(os.environ.get(ENV_CHECKPOINT_EVERY, "100")))
+
+
+def overlap_by_default(params: list[nn.Parameter]) -> bool:
+    """``FTSYSTEM_OVERLAP`` if set; otherwise overlap only gradients that live on a GPU.
+
+    The all-reduce runs on Gloo's CPU threads. Beside a GPU's backward those cores are idle;
+    beside a CPU backward they are the cores that compute it. Measured here (2 cores, one per
+    replica): buckets during a CPU backward made the step slower than one all-reduce after it
+    (``ftsystem-overlap`` against ``ftsystem`` in ``bench/results/overhead.json``).
+    """
+    setting = os.environ.get(ENV_OVERLAP)
+    if setting is not None:
+        return setting != "0"
+    return bool(params) and local(params[0]).is_cuda
 
 
 class ReplicaEvictedError(RuntimeError):
@@ -86,9 +104,9 @@ class FTReplica:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  ctx: ReplicaContext | None = None, overlap: bool | None = None) -> None:
         """``overlap``: send the all-reduce of gradient buckets while backward runs (default:
-        ``FTSYSTEM_OVERLAP``, on). It needs one backward per commit: a program accumulating
-        gradients over several must pass False. Replicas of several ranks never overlap (their
-        FSDP reduce-scatter does, inside the replica)."""
+        ``FTSYSTEM_OVERLAP``, else :func:`overlap_by_default`). It needs one backward per
+        commit: a program accumulating gradients over several must pass False. Replicas of
+        several ranks never overlap (their FSDP reduce-scatter does, inside the replica)."""
         self.ctx = ctx or ReplicaContext.from_env()
         self.replica = ReplicaGroup(self.ctx.local_world_size)
         self.model, self.optimizer = model, optimizer
@@ -117,8 +135,9 @@ class FTReplica:
         self._numel = local_numel(self._params)
         self._dtype = local(self._params[0]).dtype
         if overlap is None:
-            overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
-        self._overlap = OverlappedGradSum(self._params) \
+            overlap = overlap_by_default(self._params)
+        self._overlap = OverlappedGradSum(self._params, int(os.environ.get(
+            ENV_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES))) \
             if overlap and self.ctx.local_world_size == 1 else None
         self._overlap_armed = False
         self.overlapped_commits = 0

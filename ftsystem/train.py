@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="approximate parameter count (0: the small default model)")
     p.add_argument("--sleep-per-step", type=float, default=0.0,
                    help="extra seconds per step, to emulate a slower accelerator")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="all-reduce the gradients after backward, not in buckets during it")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="all-reduce gradient buckets during backward (auto: on GPU only)")
     p.add_argument("--out", type=Path, default=None, help="directory for the result JSON")
     p.add_argument("--linger", type=float, default=120.0,
                    help="seconds a finished replica waits to serve replicas still restarting")
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         shard_model(model)
     language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ft = FTReplica(model, optimizer, overlap=False if args.no_overlap else None)
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    ft = FTReplica(model, optimizer, overlap=overlap)
     try:
         ft.start()
         loss = train(ft, model, optimizer, language, args)

@@ -5,8 +5,9 @@ optimizer and number of replicas (one process each, one compute thread each) on 
 
 - ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, under torchrun;
 - ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures;
-- ``ftsystem-flat``: the same with ``--no-overlap``: one all-reduce after backward instead of
-  gradient buckets sent during it, to show what the overlap is worth;
+- ``ftsystem-overlap``: the same with ``--overlap on``: gradient buckets all-reduced during
+  backward instead of one all-reduce after it (the default on CPU), to show what overlap is
+  worth on this machine;
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
@@ -32,7 +33,7 @@ import typer
 from ftsystem import report
 from ftsystem.cli import bench_app
 
-SYSTEMS = ("ddp", "ftsystem", "ftsystem-flat", "torchft")
+SYSTEMS = ("ddp", "ftsystem", "ftsystem-overlap", "torchft")
 DEFAULT_SIZES = "10M,100M"
 QUICK_SIZES = "100K"
 QUICK_STEPS = 20
@@ -154,14 +155,14 @@ def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[li
 # --- ftsystem and torchft -------------------------------------------------------------------------
 
 def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
-                 overlap: bool = True) -> list[list]:
+                 overlap: str = "auto") -> list[list]:
     """``run_job`` without failures; returns each replica's commit timeline."""
     from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
     from ftsystem.launcher import RunConfig, run_job
 
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
                   "--lr", str(LEARNING_RATE), "--seed", str(SEED),
-                  *([] if overlap else ["--no-overlap"])]
+                  "--overlap", overlap]
     cfg = RunConfig(num_replicas=replicas, num_steps=steps, job="overhead",
                     out_dir=workdir, train_args=train_args, show_progress=False)
     summary = run_job(cfg)
@@ -185,7 +186,7 @@ def run_torchft(*, params: int, steps: int, replicas: int, workdir: Path) -> lis
 
 
 RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
-           "ftsystem-flat": functools.partial(run_ftsystem, overlap=False),
+           "ftsystem-overlap": functools.partial(run_ftsystem, overlap="on"),
            "torchft": run_torchft}
 
 
