@@ -356,7 +356,8 @@ def fetch_log(donor_addr: str, after: int, timeout_s: float
         if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 410:
             return None
         raise
-    data = torch.load(io.BytesIO(body), weights_only=True)
+    # On the host: the donor's device numbering need not exist here (replay copies them over).
+    data = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
     return list(zip(data["steps"], data["updates"])), data["head"], len(body)
 
 

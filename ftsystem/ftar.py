@@ -1,7 +1,9 @@
 """Fault-tolerant all-reduce (FTAR): cross-replica collectives over the current epoch's members.
 
 CPU-side control decides who participates (the controller's epochs); torch.distributed moves the
-bytes through torchft's reconfigurable ``ProcessGroupGloo``. One group per epoch and shard index:
+bytes through torchft's reconfigurable process groups: ``ProcessGroupGloo`` for CPU tensors,
+``ProcessGroupNCCL`` for CUDA ones (aborted through ``ncclCommAbort`` on a timeout or an epoch
+change; not yet run on a GPU here). One group per epoch and shard index:
 rank = the replica's position in ``epoch.members``, rendezvous in the TCPStore named by the epoch,
 under a prefix unique to (job, epoch, shard), so groups of different epochs never meet.
 
@@ -21,7 +23,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torchft.process_group import ProcessGroupGloo, create_store_client
+from torchft.process_group import (ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper,
+                                   create_store_client)
 
 from ftsystem.membership import Epoch
 from ftsystem.runtime import ControlPlane
@@ -35,6 +38,12 @@ class EpochChanged(Exception):
 
 class CollectiveFailed(Exception):
     """A rendezvous or collective failed (a peer died) or exceeded the timeout."""
+
+
+def process_group_for(device: torch.device, timeout_s: float) -> ProcessGroupWrapper:
+    """A new reconfigurable group for tensors on ``device``: NCCL for CUDA, Gloo for CPU."""
+    timeout = timedelta(seconds=timeout_s)
+    return ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
 
 
 def plan_state_sync(steps: list[int], fresh: list[bool]) -> tuple[int, list[int]]:
@@ -55,12 +64,15 @@ def plan_state_sync(steps: list[int], fresh: list[bool]) -> tuple[int, list[int]
 class FaultTolerantAllReduce:
     """The cross-replica group of one shard index, rebuilt for every epoch."""
 
-    def __init__(self, control: ControlPlane, *, shard_index: int = 0, timeout_s: float) -> None:
+    def __init__(self, control: ControlPlane, *, shard_index: int = 0, timeout_s: float,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.control = control
         self.shard_index = shard_index
         self.timeout_s = timeout_s
+        self.device = device
+        """Where the tensors it moves live (it picks the backend)."""
         self.epoch: Epoch | None = None
-        self._pg: ProcessGroupGloo | None = None
+        self._pg: ProcessGroupWrapper | None = None
         self._aborting: list[threading.Thread] = []
 
     @property
@@ -84,7 +96,7 @@ class FaultTolerantAllReduce:
         rank, world = epoch.rank_of(ctx.replica_id), len(epoch.members)
         addr = f"{epoch.store_addr}/ftsystem/{ctx.job}/epoch/{epoch.number}/shard/{self.shard_index}"
         self._barrier(addr, rank, world, epoch)
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s))
+        pg = process_group_for(self.device, self.timeout_s)
         done = threading.Event()
         errors: list[BaseException] = []
 

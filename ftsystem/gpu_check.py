@@ -9,7 +9,11 @@ communicator, so the checks are:
 - ``nccl_single_rank``: torchft's ``ProcessGroupNCCL`` configured through a store as FTAR does,
   with one rank, an all-reduce of CUDA tensors, an abort, and a reconfiguration;
 - ``gloo_cuda_two_replicas``: two processes (two replicas on one GPU) configure torchft's
-  ``ProcessGroupGloo`` and all-reduce CUDA tensors, as FTAR does on GPU without NCCL.
+  ``ProcessGroupGloo`` and all-reduce CUDA tensors;
+- ``ftar_nccl_single_rank``: ``FaultTolerantAllReduce`` itself for CUDA tensors (it picks
+  ``ProcessGroupNCCL``): an epoch of one member, an all-reduce through its interruptible wait,
+  a newer epoch that aborts the old group, and an all-reduce in the new one. Its control plane
+  is a stand-in holding the epochs (there is no etcd on the GPU machine).
 
 Each check records ok, seconds and details; the JSON also states the machine.
 """
@@ -22,7 +26,9 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -31,6 +37,7 @@ import torch.multiprocessing as mp
 
 from ftsystem import report
 from ftsystem.catchup import host_copy, tree_tensors
+from ftsystem.membership import Epoch
 
 SNAPSHOT_BYTES = 2 << 30
 ALLREDUCE_ELEMENTS = 16 << 20
@@ -96,8 +103,38 @@ def check_gloo_cuda_two_replicas() -> dict:
             "allreduce_s": [s for _, s in results.values()], "bytes": ALLREDUCE_ELEMENTS * 4}
 
 
+@dataclass
+class _Epochs:
+    """What FTAR reads from its control plane: the job, this replica, the newest epoch."""
+
+    epoch: Epoch
+    ctx: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(job="gpu-check", replica_id="r0"))
+
+
+def check_ftar_nccl_single_rank() -> dict:
+    from ftsystem.ftar import FaultTolerantAllReduce
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    control = _Epochs(Epoch(number=1, members=("r0",), store_addr=f"127.0.0.1:{store.port}"))
+    ftar = FaultTolerantAllReduce(control, timeout_s=60, device=torch.device("cuda"))
+    times, ok = [], True
+    for number in (1, 2):  # the second configure aborts the first epoch's group
+        control.epoch = Epoch(number=number, members=("r0",),
+                              store_addr=f"127.0.0.1:{store.port}")
+        started = time.perf_counter()
+        ftar.configure(control.epoch)
+        tensor = torch.full((ALLREDUCE_ELEMENTS,), 2.0, device="cuda")
+        ftar.allreduce_sum(tensor)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        ok = ok and type(ftar._pg).__name__ == "ProcessGroupNCCL" and bool(torch.all(tensor == 2))
+    ftar.shutdown()
+    return {"ok": ok, "configure_allreduce_s": times}
+
+
 CHECKS = {"snapshot_copy": check_snapshot_copy, "nccl_single_rank": check_nccl_single_rank,
-          "gloo_cuda_two_replicas": check_gloo_cuda_two_replicas}
+          "gloo_cuda_two_replicas": check_gloo_cuda_two_replicas,
+          "ftar_nccl_single_rank": check_ftar_nccl_single_rank}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,9 +84,10 @@ def overlap_by_default(params: list[nn.Parameter]) -> bool:
     """``FTSYSTEM_OVERLAP`` if set; otherwise overlap only gradients that live on a GPU.
 
     The all-reduce runs on Gloo's CPU threads. Beside a GPU's backward those cores are idle;
-    beside a CPU backward they are the cores that compute it. Measured here (2 cores, one per
-    replica): buckets during a CPU backward made the step slower than one all-reduce after it
-    (``ftsystem-overlap`` against ``ftsystem`` in ``bench/results/overhead.json``).
+    beside a CPU backward they are the cores that compute it, so there is nothing to gain.
+    Measured here (2 cores, one per replica; ``ftsystem-overlap`` against ``ftsystem`` in
+    ``bench/results/overhead*.json``): no difference beyond the noise between runs, so CPU
+    replicas keep the simpler path.
     """
     setting = os.environ.get(ENV_OVERLAP)
     if setting is not None:
@@ -129,11 +130,11 @@ class FTReplica:
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
                                          wait_for_workers=False) if self.ctx.local_rank == 0 \
             else None
-        self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.local_rank,
-                                           timeout_s=self.ctx.timeout_s)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._numel = local_numel(self._params)
-        self._dtype = local(self._params[0]).dtype
+        self._dtype, self._device = local(self._params[0]).dtype, local(self._params[0]).device
+        self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.local_rank,
+                                           timeout_s=self.ctx.timeout_s, device=self._device)
         if overlap is None:
             overlap = overlap_by_default(self._params)
         self._overlap = OverlappedGradSum(self._params, int(os.environ.get(
@@ -429,7 +430,7 @@ class FTReplica:
         n, rank = self.ftar.world_size, self.ftar.rank
         # What this replica can donate is fixed now: the session expiry may trim the log later.
         held = self.update_log.entries()
-        info = torch.zeros(3 * n, dtype=torch.float64)
+        info = torch.zeros(3 * n, dtype=torch.float64, device=self._device)
         info[3 * rank: 3 * rank + 3] = torch.tensor(
             [self.step, float(self._fresh), held[0][0] if held else -1.0])
         self.ftar.allreduce_sum(info)
@@ -449,7 +450,8 @@ class FTReplica:
     def _sync_by_log(self, rank: int, donor: int, first: int, last: int,
                      held: list[tuple[int, torch.Tensor]]) -> Callable[[], None]:
         """Broadcast the donor's updates for steps ``first..last``; replay the missing ones."""
-        updates = torch.zeros(last - first + 1, self._numel, dtype=self._dtype)
+        updates = torch.zeros(last - first + 1, self._numel, dtype=self._dtype,
+                              device=self._device)
         if rank == donor:
             rows = [(step, update) for step, update in held if first <= step <= last]
             if [step for step, _ in rows] != list(range(first, last + 1)):
@@ -466,16 +468,16 @@ class FTReplica:
 
     def _sync_by_state(self, rank: int, donor: int) -> Callable[[], None]:
         payload = self._serialize() if rank == donor else b""
-        size = torch.tensor([float(len(payload))], dtype=torch.float64)
+        size = torch.tensor([float(len(payload))], dtype=torch.float64, device=self._device)
         self.ftar.allreduce_sum(size)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
         if rank == donor:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.ftar.broadcast(buf, donor)
         source = self.ftar.epoch.members[donor]
 
         def load() -> None:
-            self._load(torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True))
+            self._load(torch.load(io.BytesIO(buf.cpu().numpy().tobytes()), weights_only=True))
             log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
                      self.ctx.local_rank, self.step, source)
         return load
@@ -485,7 +487,7 @@ class FTReplica:
         self._apply_update(update)
         self.step += 1
         self.heartbeat.beat(self.step)
-        self.update_log.append(self.step, update.clone())
+        self.update_log.append(self.step, update.to(self._device, copy=True))
         metrics.CATCHUP_STEPS.labels(*self._labels).inc()
 
     def _serialize(self) -> bytes:

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -244,24 +244,34 @@ async def _reset_job(etcd: str, cfg: RunConfig) -> None:
 
 
 def _wait_with_progress(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen]) -> None:
+    if not cfg.show_progress:  # nothing to show: reading etcd would only take CPU from training
+        for agent in agents:
+            agent.wait()
+        return
     columns = (TextColumn("[bold]{task.description}"), BarColumn(),
                TextColumn("step {task.completed:.0f}/{task.total:.0f} {task.fields[info]}"),
                TimeElapsedColumn())
-    with Progress(*columns, disable=not cfg.show_progress) as progress:
+    with Progress(*columns) as progress:
         task = progress.add_task(cfg.job, total=cfg.num_steps, info="")
+        asyncio.run(_follow_progress(cfg.job, etcd, agents, lambda view: progress.update(
+            task, completed=max(view["step"], progress.tasks[0].completed), info=view["info"])))
+
+
+async def _follow_progress(job: str, etcd: str, agents: list[subprocess.Popen],
+                           show: Callable[[dict], None]) -> None:
+    """Show the job's progress every half second, over one etcd connection, until the agents
+    have exited."""
+    async with Store(etcd) as store:
         while any(a.poll() is None for a in agents):
             try:
-                view = asyncio.run(_peek(etcd, cfg.job))
+                show(await _peek(store, job))
             except StoreError as e:  # the job rides out etcd outages; so does its progress bar
-                view = {"step": 0, "info": f"etcd unreachable: {e}"}
-            progress.update(task, completed=max(view["step"], progress.tasks[0].completed),
-                            info=view["info"])
-            time.sleep(0.5)
+                show({"step": 0, "info": f"etcd unreachable: {e}"})
+            await asyncio.sleep(0.5)
 
 
-async def _peek(etcd: str, job: str) -> dict:
-    async with Store(etcd) as store:
-        items, _ = await store.get_prefix(keys.job(job) + "/")
+async def _peek(store: Store, job: str) -> dict:
+    items, _ = await store.get_prefix(keys.job(job) + "/")
     regs = [json.loads(v) for k, v in items.items() if k.startswith(keys.replicas(job))]
     failures = sum(1 for k in items if k.startswith(keys.failures(job)))
     epoch = json.loads(items.get(keys.epoch(job), b'{"number": 0, "members": []}'))

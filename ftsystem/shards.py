@@ -90,11 +90,12 @@ def set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
             if param.grad is not None:
                 local(param.grad).copy_(grad.view_as(shard))
             elif isinstance(param, DTensor):
-                param.grad = DTensor.from_local(grad.view_as(shard).clone(), param.device_mesh,
+                param.grad = DTensor.from_local(grad.view_as(shard).to(shard.device, copy=True),
+                                                param.device_mesh,
                                                 param.placements, shape=param.shape,
                                                 stride=param.stride(), run_check=False)
             else:
-                param.grad = grad.view_as(param).clone()
+                param.grad = grad.view_as(param).to(param.device, copy=True)
 
 
 def local_numel(params: list[nn.Parameter]) -> int:
