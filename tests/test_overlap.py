@@ -239,6 +239,7 @@ def test_a_job_with_the_overlap_on_survives_a_kill_and_a_failed_allreduce(
     assert [f["replica"] for f in summary["failures"]] == ["r1"]
     assert summary["steps"] == 120 and summary["bitwise_identical"] and summary["agents_ok"]
     results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json")}
-    # Most commits went out in buckets; the first on each new group is one flat buffer.
-    for rid, result in results.items():
-        assert result["overlapped_commits"] > len(result["commits"]) // 2, (rid, result)
+    # Most commits of the replicas that ran throughout went out in buckets; the first on each
+    # new group is one flat buffer. (The restarted r1 may rejoin as late as the last step.)
+    for rid in ("r0", "r2"):
+        assert results[rid]["overlapped_commits"] > len(results[rid]["commits"]) // 2, rid
