@@ -210,11 +210,11 @@ def host_copy(tree: Any) -> Any:
     and this (side) thread waits for the copies alone. CPU tensors are cloned.
     """
     if not any(t.is_cuda for t in tree_tensors(tree)):
-        return _map_tensors(tree, lambda t: t.detach().clone())
+        return map_tensors(tree, lambda t: t.detach().clone())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        copy = _map_tensors(tree, _pinned_copy)
+        copy = map_tensors(tree, _pinned_copy)
     side.synchronize()
     return copy
 
@@ -226,13 +226,14 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor.detach(), non_blocking=True)
 
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` (dicts, lists, tuples) with ``fn`` applied to every tensor in it."""
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
+        return type(tree)(map_tensors(v, fn) for v in tree)
     return tree
 
 

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from ftsystem.catchup import map_tensors
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds (the tensor itself when it is not sharded)."""
@@ -26,13 +28,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _to_local(tree):
-    if isinstance(tree, torch.Tensor):
-        return local(tree).detach()
-    if isinstance(tree, dict):
-        return {k: _to_local(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_local(v) for v in tree)
-    return tree
+    return map_tensors(tree, lambda t: local(t).detach())
 
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

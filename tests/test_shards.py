@@ -1,0 +1,71 @@
+"""shards: a replica's state as local tensors, moved between two models in place (one process;
+the FSDP2 case runs end to end in test_hsdp_ranks.py and test_cold_start.py)."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from ftsystem.catchup import tree_tensors
+from ftsystem.shards import flat_grads, load_local_state, local_state, set_grads
+from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+
+LANGUAGE = MarkovLanguage()
+
+
+def _replica(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyGPT(ModelConfig())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train(model: TinyGPT, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        optimizer.zero_grad()
+        model.loss(LANGUAGE.batch(shard=0, step=step, batch_size=4, seq_len=32)).backward()
+        optimizer.step()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    left = list(tree_tensors([a[0].state_dict(), a[1].state_dict()]))
+    right = list(tree_tensors([b[0].state_dict(), b[1].state_dict()]))
+    return len(left) == len(right) and all(torch.equal(x, y) for x, y in zip(left, right))
+
+
+def test_a_serialized_state_loads_in_place_into_a_fresh_replica_bit_for_bit():
+    donor, joiner = _replica(0), _replica(1)
+    _train(*donor, range(3))
+    buf = io.BytesIO()
+    torch.save(local_state(*donor), buf)  # what the snapshot and the state sync send
+    buf.seek(0)
+    load_local_state(*joiner, torch.load(buf, weights_only=True))
+    assert _same(donor, joiner)
+    _train(*donor, range(3, 5))  # and they stay equal when they go on alike
+    _train(*joiner, range(3, 5))
+    assert _same(donor, joiner)
+
+
+def test_reading_a_state_does_not_initialize_the_optimizer():
+    model, optimizer = _replica(0)
+    before = [p.clone() for p in model.parameters()]
+    assert local_state(model, optimizer)["optim"] == {} and not optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_an_unstepped_state_resets_a_stepped_optimizer():
+    fresh, trained = _replica(0), _replica(1)
+    _train(*trained, range(2))
+    load_local_state(*trained, local_state(*fresh))
+    assert not trained[1].state and _same(fresh, trained)
+
+
+def test_flat_gradients_set_back_give_the_same_step():
+    a, b = _replica(0), _replica(0)
+    a[1].zero_grad()
+    a[0].loss(LANGUAGE.batch(shard=0, step=9, batch_size=4, seq_len=32)).backward()
+    params = list(b[0].parameters())
+    set_grads(params, flat_grads(list(a[0].parameters()), None))
+    a[1].step()
+    b[1].step()
+    assert _same(a, b)
