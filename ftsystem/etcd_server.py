@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+BIND_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -78,8 +82,18 @@ class EmbeddedEtcd:
         return f"http://{self.host}:{self.peer_port}"
 
     def start(self, *, wait_s: float = 15.0) -> "EmbeddedEtcd":
-        self.launch()
-        self.wait_ready(wait_s)
+        for attempt in range(BIND_ATTEMPTS):
+            self.launch()
+            try:
+                self.wait_ready(wait_s)
+                return self
+            except EtcdStartError as e:
+                # Restarted on its old port: while it was down, a client reconnecting to it
+                # may have been given that very port as its own source port (it lies in the
+                # ephemeral range), for a moment. Seen once in CI.
+                if "address already in use" not in str(e) or attempt == BIND_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5)
         return self
 
     def launch(self) -> None:
