@@ -73,11 +73,19 @@ ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
 
 
+def _env_int(name: str, default: int) -> int:
+    """A positive integer from the environment, or an error that names the variable."""
+    text = os.environ.get(name, str(default))
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"{name}={text!r}: expected a positive integer (default {default})")
+    return int(text)
+
+
 def _checkpointer_from_env() -> Checkpointer | None:
     directory = os.environ.get(ENV_CHECKPOINT_DIR)
     if not directory:
         return None
-    return Checkpointer(directory, int(os.environ.get(ENV_CHECKPOINT_EVERY, "100")))
+    return Checkpointer(directory, _env_int(ENV_CHECKPOINT_EVERY, 100))
 
 
 def overlap_by_default(params: list[nn.Parameter]) -> bool:
@@ -137,14 +145,14 @@ class FTReplica:
                                            timeout_s=self.ctx.timeout_s, device=self._device)
         if overlap is None:
             overlap = overlap_by_default(self._params)
-        self._overlap = OverlappedGradSum(self._params, int(os.environ.get(
-            ENV_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES))) \
+        self._overlap = OverlappedGradSum(
+            self._params, _env_int(ENV_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES)) \
             if overlap and self.ctx.local_world_size == 1 else None
         self._overlap_armed = False
         self.overlapped_commits = 0
         """Commits whose gradients went out in buckets during backward."""
         # Catch-up material this replica can donate, and what it learnt catching up itself.
-        self.update_log = UpdateLog(int(os.environ.get(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES)))
+        self.update_log = UpdateLog(_env_int(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES))
         self.snapshotter = Snapshotter(self._state, self.ctx.host, self.ctx.timeout_s)
         self.state_server = StateServer(self.ctx.host, self.snapshotter, self.update_log,
                                         lambda: self.step, self.ctx.timeout_s)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint
+from ftsystem.hsdp import ENV_BUCKET_BYTES, _env_int
 from ftsystem.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.overlap import OverlapInvalid, OverlappedGradSum, plan_buckets
 
@@ -243,3 +244,11 @@ def test_a_job_with_the_overlap_on_survives_a_kill_and_a_failed_allreduce(
     # new group is one flat buffer. (The restarted r1 may rejoin as late as the last step.)
     for rid in ("r0", "r2"):
         assert results[rid]["overlapped_commits"] > len(results[rid]["commits"]) // 2, rid
+
+
+def test_a_malformed_size_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV_BUCKET_BYTES, "25MB")
+    with pytest.raises(ValueError, match="FTSYSTEM_BUCKET_BYTES='25MB': expected a positive"):
+        _env_int(ENV_BUCKET_BYTES, 1)
+    monkeypatch.setenv(ENV_BUCKET_BYTES, "4096")
+    assert _env_int(ENV_BUCKET_BYTES, 1) == 4096

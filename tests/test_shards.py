@@ -69,3 +69,4 @@ def test_flat_gradients_set_back_give_the_same_step():
     a[1].step()
     b[1].step()
     assert _same(a, b)
+
