@@ -1,4 +1,4 @@
-"""``ftsystem bench overhead --quick`` end to end: real DDP ranks under torchrun, a real
+"""``ftsystem bench overhead --quick`` end to end: real DDP ranks (one process each), a real
 ``ftsystem run`` (etcd, controller, agents) and real torchft replicas with their lighthouse;
 a tiny model and few steps, so it checks the wiring and the JSON, not the figures."""
 
@@ -16,6 +16,7 @@ from ftsystem.benchmarks.overhead import (
     job_rate,
     parse_sizes,
     ratios,
+    run_ddp,
     steady_rate,
     warmup_steps,
 )
@@ -63,3 +64,12 @@ def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
         assert all(math.isfinite(v) and v > 0 for v in model[key].values()), model[key]
     assert model["ratio_vs_ddp"]["ddp"] == 1.0
     assert "overhead: steady-state throughput" in result.output
+
+
+@pytest.mark.slow
+def test_a_failing_ddp_rank_ends_the_baseline_with_its_log(tmp_path) -> None:
+    # A negative size fails in each rank's model constructor, after the imports: real processes,
+    # and the peer that would otherwise wait for it at the rendezvous is stopped.
+    with pytest.raises(RuntimeError, match=r"DDP rank \d exited with 1; its log ends:(.|\n)*"
+                                           r"math domain error"):
+        run_ddp(params=-5, steps=2, replicas=2, workdir=tmp_path)

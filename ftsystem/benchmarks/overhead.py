@@ -3,7 +3,8 @@
 For each model size, one invocation trains the same model on the same data with the same batch,
 optimizer and number of replicas (one process each, one compute thread each) on three systems:
 
-- ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, under torchrun;
+- ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, one process per
+  rank;
 - ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures;
 - ``ftsystem-overlap``: the same with ``--overlap on``: gradient buckets all-reduced during
   backward instead of one all-reduce after it (the default on CPU), to show what overlap is
@@ -91,9 +92,9 @@ def ratios(rates: dict[str, float | None]) -> dict[str, float | None]:
 
 # --- plain DDP ----------------------------------------------------------------------------------
 
-def ddp_replica(steps: int, model_params: int, out: Path) -> None:
-    """One DDP rank under torchrun: train ``steps`` steps, write the commit timeline to
-    ``out/rank<R>.json``."""
+def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
+                out: Path) -> None:
+    """One DDP rank: train ``steps`` steps, write the commit timeline to ``out/rank<R>.json``."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -112,8 +113,8 @@ def ddp_replica(steps: int, model_params: int, out: Path) -> None:
             return self.inner.loss(batch)
 
     torch.set_num_threads(1)  # as ftsystem.train and torchft_replica: one core per replica
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    dist.init_process_group("gloo", init_method=rendezvous_file(out).as_uri(), rank=rank,
+                            world_size=world_size)
     torch.manual_seed(SEED)
     model = TinyGPT(ModelConfig.for_params(model_params) if model_params else ModelConfig())
     ddp = DistributedDataParallel(Loss(model))
@@ -127,29 +128,53 @@ def ddp_replica(steps: int, model_params: int, out: Path) -> None:
         ddp(batch).backward()
         optimizer.step()
         commits.append((step + 1, time.time()))
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "commits": commits, "num_params": num_params(model)}))
     dist.destroy_process_group()
 
 
+def rendezvous_file(workdir: Path) -> Path:
+    """Where the DDP ranks meet: a file, not a port, so no other process can take it first
+    (torchrun's ``--standalone`` picks a free port, closes it, and binds it again later)."""
+    return workdir / "rendezvous"
+
+
 def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
-    """Plain DDP under torchrun; returns each rank's commit timeline."""
+    """Plain DDP, one process per rank; returns each rank's commit timeline."""
     from ftsystem.launcher import ProcessGroup
 
     workdir.mkdir(parents=True, exist_ok=True)
+    rendezvous_file(workdir).unlink(missing_ok=True)
     procs = ProcessGroup(workdir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={replicas}", "-m", "ftsystem.benchmarks.overhead",
-           "--steps", str(steps), "--model-params", str(params), "--out", str(workdir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        code = procs.start("ddp", cmd, env=dict(os.environ, OMP_NUM_THREADS="1")
-                           ).wait(DDP_TIMEOUT_S)
+        ranks = [procs.start(f"ddp{rank}", [
+            sys.executable, "-m", "ftsystem.benchmarks.overhead", "--rank", str(rank),
+            "--world-size", str(replicas), "--steps", str(steps), "--model-params", str(params),
+            "--out", str(workdir)], env=env) for rank in range(replicas)]
+        failed = _wait_all(ranks, DDP_TIMEOUT_S)
     finally:
         procs.stop_all()
-    if code != 0:
-        raise RuntimeError(f"DDP baseline exited with {code}; see {workdir / 'ddp.log'}")
+    if failed is not None:
+        rank, code = failed
+        tail = (workdir / f"ddp{rank}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"DDP rank {rank} exited with {code}; its log ends:\n{tail}")
     return [json.loads(p.read_text())["commits"] for p in sorted(workdir.glob("rank*.json"))]
+
+
+def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
+    """Wait until every process exited 0 (None), or one failed: (its index, exit code; None
+    when the timeout ran out). Its peers would wait for it forever, so stop at the first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc in procs]
+        for index, code in enumerate(codes):
+            if code not in (None, 0):
+                return index, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.1)
+    return next(i for i, proc in enumerate(procs) if proc.poll() is None), None
 
 
 # --- ftsystem and torchft -------------------------------------------------------------------------
@@ -256,11 +281,14 @@ def overhead(
         "machine": report.machine()})
 
 
-def _ddp_main(steps: Annotated[int, typer.Option()],
+def _ddp_main(rank: Annotated[int, typer.Option()],
+              world_size: Annotated[int, typer.Option()],
+              steps: Annotated[int, typer.Option()],
               out: Annotated[Path, typer.Option()],
               model_params: Annotated[int, typer.Option()] = 0) -> None:
-    ddp_replica(steps, model_params, out)
+    ddp_replica(rank=rank, world_size=world_size, steps=steps, model_params=model_params,
+                out=out)
 
 
-if __name__ == "__main__":  # one DDP rank, started by run_ddp through torchrun
+if __name__ == "__main__":  # one DDP rank, started by run_ddp
     typer.run(_ddp_main)
