@@ -77,21 +77,24 @@ def flat_grads(params: list[nn.Parameter], out: torch.Tensor | None) -> torch.Te
     return torch.cat(grads) if out is None else torch.cat(grads, out=out)
 
 
-def set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    """Make ``flat`` (the layout of :func:`flat_grads`) the gradients of ``params``."""
+def grads_as_views(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Make slices of ``flat`` (the layout of :func:`flat_grads`, on the parameters' device)
+    the gradients of ``params``: views, so no gradient is copied."""
     sizes = [local(p).numel() for p in params]
-    with torch.no_grad():
-        for param, grad in zip(params, flat.split(sizes)):
-            shard = local(param)
-            if param.grad is not None:
-                local(param.grad).copy_(grad.view_as(shard))
-            elif isinstance(param, DTensor):
-                param.grad = DTensor.from_local(grad.view_as(shard).to(shard.device, copy=True),
-                                                param.device_mesh,
-                                                param.placements, shape=param.shape,
-                                                stride=param.stride(), run_check=False)
-            else:
-                param.grad = grad.view_as(param).to(param.device, copy=True)
+    for param, grad in zip(params, flat.split(sizes)):
+        shard = local(param)
+        if isinstance(param, DTensor):
+            param.grad = DTensor.from_local(grad.view_as(shard), param.device_mesh,
+                                            param.placements, shape=param.shape,
+                                            stride=param.stride(), run_check=False)
+        else:
+            param.grad = grad.view_as(param)
+
+
+def release_grads(params: list[nn.Parameter]) -> None:
+    """Drop the gradients (as ``zero_grad(set_to_none=True)``)."""
+    for param in params:
+        param.grad = None
 
 
 def local_numel(params: list[nn.Parameter]) -> int:

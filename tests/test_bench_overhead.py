@@ -15,6 +15,7 @@ from ftsystem.benchmarks.overhead import (
     SYSTEMS,
     job_rate,
     parse_sizes,
+    parse_systems,
     ratios,
     run_ddp,
     steady_rate,
@@ -40,6 +41,13 @@ def test_rates_leave_out_the_warmup() -> None:
     assert ratios({"ddp": 2.0, "ftsystem": 1.9, "torchft": None}) == {
         "ddp": 1.0, "ftsystem": pytest.approx(0.95), "torchft": None}
     assert warmup_steps(20) == 4 and warmup_steps(5) == 2
+
+
+def test_systems_parse_with_ddp_always_first_and_refuse_unknown_ones() -> None:
+    assert parse_systems("torchft, ftsystem") == ["ddp", "ftsystem", "torchft"]
+    assert parse_systems(",".join(SYSTEMS)) == list(SYSTEMS)
+    with pytest.raises(ValueError, match="unknown system.*'horovod'.*choose from ddp"):
+        parse_systems("ftsystem,horovod")
 
 
 def test_a_malformed_size_is_a_usage_error() -> None:

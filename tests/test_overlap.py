@@ -16,7 +16,8 @@ from torch import nn
 
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint
-from ftsystem.hsdp import ENV_BUCKET_BYTES, _env_int
+from ftsystem.hsdp import (ENV_BUCKET_BYTES, ENV_OVERLAP, MIN_CPU_OVERLAP_BUCKETS, _env_int,
+                           overlap_by_default)
 from ftsystem.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.overlap import OverlapInvalid, OverlappedGradSum, plan_buckets
 
@@ -252,3 +253,15 @@ def test_a_malformed_size_in_the_environment_names_the_variable(monkeypatch):
         _env_int(ENV_BUCKET_BYTES, 1)
     monkeypatch.setenv(ENV_BUCKET_BYTES, "4096")
     assert _env_int(ENV_BUCKET_BYTES, 1) == 4096
+
+
+def test_cpu_gradients_overlap_by_default_only_when_they_span_several_buckets(monkeypatch):
+    monkeypatch.delenv(ENV_OVERLAP, raising=False)
+    params = list(nn.Linear(100, 10).parameters())  # 1010 float32: 4040 bytes
+    assert not overlap_by_default(params, bucket_cap_bytes=4040 // MIN_CPU_OVERLAP_BUCKETS + 1)
+    assert overlap_by_default(params, bucket_cap_bytes=4040 // MIN_CPU_OVERLAP_BUCKETS)
+    assert not overlap_by_default([], bucket_cap_bytes=1)
+    monkeypatch.setenv(ENV_OVERLAP, "0")
+    assert not overlap_by_default(params, bucket_cap_bytes=1)
+    monkeypatch.setenv(ENV_OVERLAP, "1")
+    assert overlap_by_default(params, bucket_cap_bytes=10**9)

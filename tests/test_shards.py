@@ -8,7 +8,8 @@ import io
 import torch
 
 from ftsystem.catchup import tree_tensors
-from ftsystem.shards import flat_grads, load_local_state, local_state, set_grads
+from ftsystem.shards import (flat_grads, grads_as_views, load_local_state, local_state,
+                             release_grads)
 from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 LANGUAGE = MarkovLanguage()
@@ -60,13 +61,18 @@ def test_an_unstepped_state_resets_a_stepped_optimizer():
     assert not trained[1].state and _same(fresh, trained)
 
 
-def test_flat_gradients_set_back_give_the_same_step():
+def test_flat_gradients_as_views_give_the_same_step_without_copies():
     a, b = _replica(0), _replica(0)
     a[1].zero_grad()
     a[0].loss(LANGUAGE.batch(shard=0, step=9, batch_size=4, seq_len=32)).backward()
     params = list(b[0].parameters())
-    set_grads(params, flat_grads(list(a[0].parameters()), None))
+    flat = flat_grads(list(a[0].parameters()), None)
+    grads_as_views(params, flat)
+    assert all(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+               for p in params)
     a[1].step()
     b[1].step()
     assert _same(a, b)
+    release_grads(params)
+    assert all(p.grad is None for p in params)
 

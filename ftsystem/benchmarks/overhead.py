@@ -1,14 +1,15 @@
 """``ftsystem bench overhead``: steady-state throughput without failures, against plain DDP.
 
 For each model size, one invocation trains the same model on the same data with the same batch,
-optimizer and number of replicas (one process each, one compute thread each) on three systems:
+optimizer and number of replicas (one process each, one compute thread each) on four systems:
 
 - ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, one process per
   rank;
-- ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures;
-- ``ftsystem-overlap``: the same with ``--overlap on``: gradient buckets all-reduced during
-  backward instead of one all-reduce after it (the default on CPU), to show what overlap is
-  worth on this machine;
+- ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures, with
+  its defaults (on CPU, gradients of 100 MiB or more overlap their all-reduce with backward);
+- ``ftsystem-overlap``: the same with ``--overlap on`` at every size: gradient buckets
+  all-reduced during backward instead of one all-reduce after it, to show what the overlap is
+  worth where it is off by default;
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
@@ -25,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -58,6 +59,16 @@ def parse_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) <= 0:
         raise ValueError(f"no positive model size in {text!r}: expected e.g. 10M,100M")
     return sizes
+
+
+def parse_systems(text: str) -> list[str]:
+    """``"ftsystem,torchft"`` -> ``["ddp", "ftsystem", "torchft"]``: in :data:`SYSTEMS` order,
+    DDP always first (every ratio is to it)."""
+    asked = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = asked - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown system(s) {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    return [name for name in SYSTEMS if name in asked or name == "ddp"]
 
 
 def default_steps(params: int) -> int:
@@ -141,6 +152,17 @@ def rendezvous_file(workdir: Path) -> Path:
 
 def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
     """Plain DDP, one process per rank; returns each rank's commit timeline."""
+    run_ranks("DDP", lambda rank: [
+        "-m", "ftsystem.benchmarks.overhead", "--rank", str(rank), "--world-size", str(replicas),
+        "--steps", str(steps), "--model-params", str(params), "--out", str(workdir)],
+        world_size=replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S)
+    return [json.loads(p.read_text())["commits"] for p in sorted(workdir.glob("rank*.json"))]
+
+
+def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int,
+              workdir: Path, timeout_s: float) -> None:
+    """Run ``python <args_of(rank)>`` for every rank, one process each, meeting at
+    :func:`rendezvous_file`; raise with the log of the first rank that failed."""
     from ftsystem.launcher import ProcessGroup
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -148,18 +170,15 @@ def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[li
     procs = ProcessGroup(workdir)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        ranks = [procs.start(f"ddp{rank}", [
-            sys.executable, "-m", "ftsystem.benchmarks.overhead", "--rank", str(rank),
-            "--world-size", str(replicas), "--steps", str(steps), "--model-params", str(params),
-            "--out", str(workdir)], env=env) for rank in range(replicas)]
-        failed = _wait_all(ranks, DDP_TIMEOUT_S)
+        ranks = [procs.start(f"rank{rank}", [sys.executable, *args_of(rank)], env=env)
+                 for rank in range(world_size)]
+        failed = _wait_all(ranks, timeout_s)
     finally:
         procs.stop_all()
     if failed is not None:
         rank, code = failed
-        tail = (workdir / f"ddp{rank}.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"DDP rank {rank} exited with {code}; its log ends:\n{tail}")
-    return [json.loads(p.read_text())["commits"] for p in sorted(workdir.glob("rank*.json"))]
+        tail = (workdir / f"rank{rank}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{what} rank {rank} exited with {code}; its log ends:\n{tail}")
 
 
 def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
@@ -252,7 +271,9 @@ def overhead(
     replicas: Annotated[int, typer.Option(min=1, help="data-parallel replicas")] = 2,
     quick: Annotated[bool, typer.Option(help=f"{QUICK_SIZES} parameters, {QUICK_STEPS} "
                                              "steps (well under a minute)")] = False,
-    skip_torchft: Annotated[bool, typer.Option(help="ddp and ftsystem only")] = False,
+    systems_text: Annotated[str, typer.Option(
+        "--systems", help="which to run, comma-separated; ddp always runs (the base of the "
+                          "ratios)")] = ",".join(SYSTEMS),
     rounds: Annotated[int, typer.Option(min=1, help="runs per system, in turns")] = 1,
 ) -> None:
     """Steady-state steps/s without failures: ftsystem vs plain DDP vs torchft 0.2.0."""
@@ -262,7 +283,10 @@ def overhead(
         params_list = parse_sizes(QUICK_SIZES if quick else sizes)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--sizes") from e
-    systems = [s for s in SYSTEMS if not (skip_torchft and s == "torchft")]
+    try:
+        systems = parse_systems(systems_text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--systems") from e
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-overhead-") as tmp:
         models = [measure(p, steps=steps or (QUICK_STEPS if quick else default_steps(p)),
