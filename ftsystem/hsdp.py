@@ -100,10 +100,11 @@ def overlap_by_default(params: list[nn.Parameter], bucket_cap_bytes: int) -> boo
     On a GPU, Gloo's or NCCL's work runs beside a backward that leaves the CPU idle. On CPU
     the all-reduce competes with backward for the same cores, and only pays when several
     buckets can go out while backward still has layers to compute: with one or two buckets
-    the last is sent when backward ends anyway. Measured here (2 cores, one per replica,
-    modes interleaved every 2 steps in the same processes): at 100M parameters (16 buckets)
-    the overlap took 4.48 s a step against 4.81 s flat and DDP's 4.59 s; at 10M (2 buckets)
-    0.506 s against 0.494 s flat and DDP's 0.506 s, no gain.
+    the last is sent when backward ends anyway. Measured by ``ftsystem bench gradsum`` (2
+    cores, one per replica; ``bench/results/gradsum.json``), speed relative to DDP: at 100M
+    parameters (21 buckets) 0.955 overlapped against 0.942 flat; at 10M (2 buckets) 0.943
+    against 0.952. A first run had 1.026 against 0.956, and 1.0 against 1.025: the overlap won
+    at 100M and lost at 10M both times, by less than the spread between the two runs.
     """
     setting = os.environ.get(ENV_OVERLAP)
     if setting is not None:
