@@ -178,7 +178,8 @@ def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int
     if failed is not None:
         rank, code = failed
         tail = (workdir / f"rank{rank}.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{what} rank {rank} exited with {code}; its log ends:\n{tail}")
+        how = f"exited with {code}" if code is not None else f"ran past {timeout_s:.0f} s"
+        raise RuntimeError(f"{what} rank {rank} {how}; its log ends:\n{tail}")
 
 
 def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
@@ -193,7 +194,7 @@ def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
         if all(code == 0 for code in codes):
             return None
         time.sleep(0.1)
-    return next(i for i, proc in enumerate(procs) if proc.poll() is None), None
+    return next((i for i, proc in enumerate(procs) if proc.poll() is None), 0), None
 
 
 # --- ftsystem and torchft -------------------------------------------------------------------------
