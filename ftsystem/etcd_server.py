@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -47,10 +48,45 @@ def _port_free(port: int) -> bool:
 BIND_ATTEMPTS = 3
 
 
+LOWEST_PICKED_PORT = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a service started next.
+
+    Picked below the kernel's ephemeral range, at random: the kernel hands out ports of that
+    range as the source ports of outgoing connections, so a port it picked for us (bind to 0,
+    close) can be taken by any process's next connection before the service binds it. Below
+    the range only another explicit bind can take it. Never the same port twice per process.
+    """
+    high = _ephemeral_low()
+    if high - LOWEST_PICKED_PORT < 1000:  # an unusual range: let the kernel pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randrange(LOWEST_PICKED_PORT, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:  # in use (or held in TIME_WAIT): pick another
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port between {LOWEST_PICKED_PORT} and {high}: is something "
+                       "holding thousands of ports?")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's default 32768)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass(kw_only=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +50,16 @@ def test_put_if_absent_and_guarded_put(etcd, job_id):
             refused = await store.put_if_equal(key, "you", guard, "2")
             return first, second, allowed, refused, await store.get(guard)
     assert run(scenario()) == (True, False, True, False, b"1")
+
+
+def test_free_ports_are_bindable_distinct_and_outside_the_ephemeral_range():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(20000 <= port < low for port in ports)  # no outgoing connection gets these
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_unreachable_etcd_names_the_endpoint():

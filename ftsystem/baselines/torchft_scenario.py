@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Callable, Optional
 import ftsystem
 from ftsystem.baselines import torchft_replica
 from ftsystem.baselines.torchft_replica import progress_path
+from ftsystem.etcd_server import free_port
 from ftsystem.procs import kill_and_reap, wait_listening
 
 # How long the lighthouse keeps counting a silent replica as alive. After a SIGKILL the
@@ -72,12 +72,6 @@ def _replica_env(lighthouse_addr: str) -> dict[str, str]:
     pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     return dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse_addr, PYTHONPATH=pythonpath,
                 OMP_NUM_THREADS="1")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
-        sock.bind(("::", 0))
-        return sock.getsockname()[1]
 
 
 def _read_progress(path: Path) -> list[tuple[int, float]]:
@@ -170,7 +164,7 @@ class _Cluster:
         binary = lighthouse_binary()
         if binary is None:
             raise FileNotFoundError("torchft_lighthouse not found: install torchft==0.2.0")
-        port = _free_port()
+        port = free_port()
         cmd = [binary, "--bind", f"[::]:{port}", "--min_replicas", str(MIN_REPLICAS),
                "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS),
                "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
