@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,9 +44,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-BIND_ATTEMPTS = 3
-
-
 LOWEST_PICKED_PORT = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _HANDED_OUT: set[int] = set()
@@ -68,15 +64,9 @@ def free_port() -> int:
             return s.getsockname()[1]
     for _ in range(200):
         port = random.randrange(LOWEST_PICKED_PORT, high)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:  # in use (or held in TIME_WAIT): pick another
-                continue
-        _HANDED_OUT.add(port)
-        return port
+        if port not in _HANDED_OUT and _port_free(port):
+            _HANDED_OUT.add(port)
+            return port
     raise RuntimeError(f"no free port between {LOWEST_PICKED_PORT} and {high}: is something "
                        "holding thousands of ports?")
 
@@ -118,18 +108,10 @@ class EmbeddedEtcd:
         return f"http://{self.host}:{self.peer_port}"
 
     def start(self, *, wait_s: float = 15.0) -> "EmbeddedEtcd":
-        for attempt in range(BIND_ATTEMPTS):
-            self.launch()
-            try:
-                self.wait_ready(wait_s)
-                return self
-            except EtcdStartError as e:
-                # Restarted on its old port: while it was down, a client reconnecting to it
-                # may have been given that very port as its own source port (it lies in the
-                # ephemeral range), for a moment. Seen once in CI.
-                if "address already in use" not in str(e) or attempt == BIND_ATTEMPTS - 1:
-                    raise
-                time.sleep(0.5)
+        # A restart reuses the old port. No reconnecting client can hold it as a source port
+        # meanwhile: free_port picks below the ephemeral range, as etcd's default 2379 is.
+        self.launch()
+        self.wait_ready(wait_s)
         return self
 
     def launch(self) -> None:
