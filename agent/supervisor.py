@@ -5,6 +5,10 @@ step watchdog fires) the agent revokes the replica's lease, which deletes its re
 lets the controller publish the epoch without it within milliseconds. Then it kills the rest of
 the replica and restarts it with backoff as generation + 1. Children run in their own sessions
 with a parent-death signal, so neither a Ctrl-C nor a SIGKILL of the agent leaves orphans.
+
+GPUs follow torchrun's convention: every rank sees the node's GPUs and rank k uses cuda:k
+(``ftsystem.devices.local_device``). Started with ``--gpus``, the agent instead lets rank k see
+only the k-th listed GPU, which that rule then makes its cuda:0.
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ from ftsystem.store import HeldKey, Store, StoreError
 from ftsystem.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
+
+ENV_VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
+
+
+EXIT_HALTED = 3
+"""The agent's exit status when its replica halted (``keys.halted``): a divergence with no
+majority, replicas that register different objects."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,6 +72,9 @@ class AgentConfig:
     """Fault injection: kill the replica when it reaches these steps (``--kill-at``)."""
     host: str = "127.0.0.1"
     """Address other replicas use to reach this one."""
+    gpus: list[str] = field(default_factory=list)
+    """One GPU per rank (``--gpus 0,1``, as ``CUDA_VISIBLE_DEVICES`` names them): rank k sees
+    only ``gpus[k]``. Empty: every rank sees all of the node's GPUs and uses cuda:LOCAL_RANK."""
 
 
 @dataclass(slots=True)
@@ -75,6 +89,10 @@ class Agent:
         keys.check_id("job", cfg.job)
         keys.check_id("replica", cfg.replica_id)
         self.cfg = cfg
+        self.gpu_envs = gpu_env_per_rank(cfg.gpus, cfg.num_procs)
+        if len(cfg.gpus) > cfg.num_procs:
+            log.warning("--gpus lists %d GPUs for %d ranks: %s stay unused", len(cfg.gpus),
+                        cfg.num_procs, ",".join(cfg.gpus[cfg.num_procs:]))
         self.store = Store(cfg.etcd)
         self.stop_requested = asyncio.Event()
         self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
@@ -120,6 +138,11 @@ class Agent:
             if self.stop_requested.is_set():
                 return 130
             await self._record_failure(generation, outcome)
+            halted = await self.store.get_json(keys.halted(self.cfg.job, self.cfg.replica_id))
+            if halted is not None:  # the replica found an error no restart can fix
+                log.error("replica %s halted at step %s, not restarting it: %s",
+                          self.cfg.replica_id, halted.get("step"), halted.get("reason"))
+                return EXIT_HALTED
             # A replica that ran a while before failing gets the short backoff again.
             backoff = self.cfg.backoff_s if time.monotonic() - started > 30 else backoff
             log.warning("replica %s generation %d failed (%s); restarting in %.1fs",
@@ -181,7 +204,7 @@ class Agent:
                 runtime.ENV_GENERATION: str(generation), runtime.ENV_LEASE: str(lease),
                 runtime.ENV_HEARTBEAT: str(heartbeat), runtime.ENV_HOST: self.cfg.host,
                 runtime.ENV_KILL_AT: format_fault_points(self.kill_at),
-            }
+            } | self.gpu_envs[rank]
             self.children.append(await asyncio.create_subprocess_exec(
                 *die_with_parent(self.cfg.command), env=env, start_new_session=True))
         return heartbeats
@@ -257,6 +280,28 @@ class Agent:
         for child in self.children:
             signal_group(child.pid, signal.SIGKILL)
         await asyncio.gather(*(c.wait() for c in self.children))
+
+
+def parse_gpus(text: str) -> list[str]:
+    """The GPUs of ``--gpus 0,1,2,3`` (indices or UUIDs, as ``CUDA_VISIBLE_DEVICES`` takes them);
+    empty for an empty text."""
+    gpus = [gpu.strip() for gpu in text.split(",")] if text.strip() else []
+    if any(not gpu for gpu in gpus):
+        raise ValueError(f"--gpus {text!r} has an empty entry: give GPUs separated by commas, "
+                         "like 0,1,2,3")
+    return gpus
+
+
+def gpu_env_per_rank(gpus: list[str], num_procs: int) -> list[dict[str, str]]:
+    """What each rank's environment adds to choose its GPU: nothing without ``--gpus`` (the
+    rank picks cuda:LOCAL_RANK), else only the rank's own GPU made visible."""
+    if not gpus:
+        return [{} for _ in range(num_procs)]
+    if len(gpus) < num_procs:
+        raise ValueError(f"--gpus lists {len(gpus)} GPU(s) ({','.join(gpus)}) for "
+                         f"{num_procs} ranks per replica: list one GPU per rank, or leave "
+                         "--gpus out to give rank k the node's GPU k")
+    return [{ENV_VISIBLE_GPUS: gpu} for gpu in gpus[:num_procs]]
 
 
 def _finished(heartbeat: Path) -> bool:

@@ -97,6 +97,19 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
         orders = sorted((Order.from_json(v) for v in items.values()), key=lambda o: o.at)
         return {"orders": [dataclasses.asdict(o) for o in orders]}
 
+    @app.get("/v1/jobs/{job}/events")
+    async def list_events(job: str) -> dict:
+        """What replicas reported about the job's state: divergences (a replica whose state
+        differed from the others', how it was found, whom it differed from) and halts (a
+        replica stopped for an error no restart fixes), oldest first."""
+        _check_job(cfg.job, job)
+        divergences, _ = await store.get_prefix(keys.divergences(job))
+        halted, _ = await store.get_prefix(keys.job(job) + "/halted/")
+        events = [json.loads(v) for v in divergences.values()]
+        events += [{"kind": "halt", "replica": keys.last_segment(k), **json.loads(v)}
+                   for k, v in halted.items()]
+        return {"events": sorted(events, key=lambda e: e.get("time", 0))}
+
     @app.get("/v1/sd/prometheus")
     async def prometheus_service_discovery() -> list[dict]:
         """Prometheus HTTP service discovery: every metrics endpoint of the job."""

@@ -9,7 +9,8 @@ Donor side (every replica can donate):
   of an asynchronous device-to-host copy on a side stream, joined by an event).
 - The snapshot is served through torchft's ``HTTPTransport``.
 - :class:`UpdateLog` keeps the averaged gradient of each committed step (the exact input of
-  ``optimizer.step()``; replaying it on the snapshot reproduces the donor's state bit for bit).
+  the replica's step function; replaying it on the snapshot reproduces the donor's state bit
+  for bit), with the commit chain around it and the loop-advanced objects' states after it.
   It always keeps the last few steps (for step reconciliation at epoch entry); while a
   catch-up session is active it keeps everything within a memory budget, dropping the oldest
   (a joiner that needs a dropped step fetches a newer snapshot).
@@ -34,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -65,22 +67,38 @@ class DonorUnavailableError(RuntimeError):
     """The donor did not answer, or no longer has what the joiner needs."""
 
 
+@dataclass(frozen=True, slots=True)
+class LoggedUpdate:
+    """What produced one committed step: the averaged gradient the step function ran on, the
+    commit chain before and after it (``ftsystem.fingerprint``), and the loop-advanced
+    objects' states after it (``ReplicatedObjects.carry``)."""
+
+    grad: torch.Tensor
+    parent: bytes
+    chain: bytes
+    carry: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad.numel() * self.grad.element_size() + len(self.carry)
+
+
 class UpdateLog:
-    """Averaged gradients of committed steps: ``step -> flat gradient`` (the step it produced)."""
+    """What produced each recent committed step: ``step -> LoggedUpdate``."""
 
     def __init__(self, budget_bytes: int = DEFAULT_LOG_BUDGET_BYTES) -> None:
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[int, LoggedUpdate] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.session_active = False
         self._spare: list[torch.Tensor] = []
 
-    def append(self, step: int, update: torch.Tensor) -> None:
-        """Record the update that produced ``step``. ``update`` must not be modified later."""
+    def append(self, step: int, update: LoggedUpdate) -> None:
+        """Record the update that produced ``step``. Its gradient must not be modified later."""
         with self._lock:
             self._entries[step] = update
-            self._bytes += update.numel() * update.element_size()
+            self._bytes += update.nbytes
             self._trim()
 
     def clear(self) -> None:
@@ -99,8 +117,8 @@ class UpdateLog:
         limit = self.budget_bytes if self.session_active else 0
         while len(self._entries) > KEEP_MIN_ENTRIES and self._bytes > limit:
             _, dropped = self._entries.popitem(last=False)
-            self._bytes -= dropped.numel() * dropped.element_size()
-            self._spare = [dropped, *self._spare[:MAX_SPARE - 1]]
+            self._bytes -= dropped.nbytes
+            self._spare = [dropped.grad, *self._spare[:MAX_SPARE - 1]]
 
     def recycle(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer the log dropped, for the next step's gradients, if nobody else holds it.
@@ -122,12 +140,12 @@ class UpdateLog:
         with self._lock:
             return next(iter(self._entries), None)
 
-    def entries(self) -> list[tuple[int, torch.Tensor]]:
+    def entries(self) -> list[tuple[int, LoggedUpdate]]:
         """All entries, oldest first: a consistent view that later trimming cannot change."""
         with self._lock:
             return list(self._entries.items())
 
-    def since(self, after: int) -> list[tuple[int, torch.Tensor]] | None:
+    def since(self, after: int) -> list[tuple[int, LoggedUpdate]] | None:
         """Updates for steps ``after+1 ..``, or None when some of them were dropped."""
         with self._lock:
             steps = list(self._entries)
@@ -177,6 +195,9 @@ class Snapshotter:
             self._copying = None
 
     def _copy(self, step: int, state: dict) -> None:
+        from ftsystem.devices import cuda_device_of, use_device
+        # This thread starts on cuda:0: the copy's streams belong on the state's GPU.
+        use_device(cuda_device_of(tree_tensors(state)))
         copy = host_copy(state)
         if self._transport is None:
             self._transport = HTTPTransport(self._timeout, num_chunks=0)
@@ -241,8 +262,11 @@ class StateServer:
     """HTTP endpoints of a donor: ``GET /snapshot`` and ``GET /log?after=STEP``."""
 
     def __init__(self, host: str, snapshotter: Snapshotter, update_log: UpdateLog,
-                 current_step: Callable[[], int], timeout_s: float) -> None:
+                 current_step: Callable[[], int], timeout_s: float,
+                 before_serving: Callable[[], None] = lambda: None) -> None:
+        """``before_serving`` runs before a snapshot or log is served (fault injection)."""
         self.snapshotter, self.update_log = snapshotter, update_log
+        self._before_serving = before_serving
         self._current_step, self._timeout_s = current_step, timeout_s
         self._last_request = 0.0
         self._idle_s = float(os.environ.get(ENV_IDLE_S, "10"))
@@ -271,6 +295,7 @@ class StateServer:
             return
         self._last_request = time.monotonic()
         self.update_log.session_active = True
+        self._before_serving()
         if url.path == "/snapshot":
             self._serve_snapshot(request)
         elif url.path == "/log":
@@ -300,8 +325,10 @@ class StateServer:
             request.send_error(410, f"updates after step {after} were dropped; fetch a snapshot")
             return
         buf = io.BytesIO()
-        torch.save({"steps": [s for s, _ in entries],
-                    "updates": [u for _, u in entries], "head": self._current_step()}, buf)
+        torch.save({"steps": [s for s, _ in entries], "updates": [u.grad for _, u in entries],
+                    "parents": [u.parent for _, u in entries],
+                    "chains": [u.chain for _, u in entries],
+                    "carries": [u.carry for _, u in entries], "head": self._current_step()}, buf)
         self.bytes_served += buf.tell()
         _reply(request, buf.getvalue())
 
@@ -349,7 +376,7 @@ def fetch_snapshot(donor_addr: str, timeout_s: float) -> tuple[int, dict, int]:
 
 
 def fetch_log(donor_addr: str, after: int, timeout_s: float
-              ) -> tuple[list[tuple[int, torch.Tensor]], int, int] | None:
+              ) -> tuple[list[tuple[int, LoggedUpdate]], int, int] | None:
     """Updates after ``after``, the donor's head step and the bytes moved; None if dropped."""
     try:
         body = _get(f"http://{donor_addr}/log?after={after}", timeout_s)
@@ -359,7 +386,9 @@ def fetch_log(donor_addr: str, after: int, timeout_s: float
         raise
     # On the host: the donor's device numbering need not exist here (replay copies them over).
     data = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
-    return list(zip(data["steps"], data["updates"])), data["head"], len(body)
+    updates = [LoggedUpdate(*fields) for fields in
+               zip(data["updates"], data["parents"], data["chains"], data["carries"])]
+    return list(zip(data["steps"], updates)), data["head"], len(body)
 
 
 def tree_tensors(tree: Any):

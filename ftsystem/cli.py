@@ -99,12 +99,15 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
           max_restarts: int = typer.Option(20, min=0),
           timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S): "
                                         "watchdog and lease TTL are a third of it"),
-          host: str = typer.Option("127.0.0.1", help="address peers reach this replica at")
+          host: str = typer.Option("127.0.0.1", help="address peers reach this replica at"),
+          gpus: str = typer.Option("", help="one GPU per rank, e.g. 0,1,2,3: rank k sees only "
+                                   "the k-th (CUDA_VISIBLE_DEVICES); default: every rank sees "
+                                   "the node's GPUs and uses cuda:LOCAL_RANK")
           ) -> None:
     """Supervise one replica: launch its ranks, hold its lease, restart it on failure."""
     import os
     from agent.main import run_agent
-    from agent.supervisor import AgentConfig
+    from agent.supervisor import AgentConfig, parse_gpus
     from ftsystem.faults import parse_fault_point
     from ftsystem.runtime import ENV_TIMEOUT
     _check_id("job", job)
@@ -113,13 +116,17 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
         points = [parse_fault_point(p) for p in kill_at]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
+    try:
+        gpu_list = parse_gpus(gpus)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--gpus") from e
     from ftsystem.store import StoreError
     timeouts = _timeouts(timeout)
     os.environ[ENV_TIMEOUT] = str(timeout)
     cfg = AgentConfig(etcd=etcd, job=job, replica_id=replica_id, command=command,
                       num_procs=nproc_per_replica, max_restarts=max_restarts,
                       watchdog_s=timeouts.watchdog_s, lease_ttl_s=timeouts.lease_ttl_s,
-                      kill_at=points, host=host)
+                      kill_at=points, host=host, gpus=gpu_list)
     try:
         code = run_agent(cfg)
     except (StoreError, ValueError) as e:

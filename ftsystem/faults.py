@@ -9,7 +9,13 @@ Phases:
 - ``allreduce``: SIGKILL while the all-reduce is in flight on the peers;
 - ``fail-allreduce``: the all-reduce completes on the peers but this replica treats it as
   failed (a link that dropped after the data arrived): the peers commit the step, this one
-  does not, and step reconciliation at the next epoch must repair it.
+  does not, and step reconciliation at the next epoch must repair it;
+- ``sync``: SIGKILL in the first epoch state sync at or after the step that moves state
+  between members, before its broadcast;
+- ``donate``: SIGKILL when this replica, at or after the step, serves a joiner's catch-up
+  (a donor dying mid-transfer);
+- ``corrupt``: no kill: one parameter value changes in memory after the step (a bad memory
+  cell); the periodic state digest must find and repair it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from dataclasses import dataclass
 
 from ftsystem.runtime import ENV_KILL_AT
 
-PHASES = ("step", "allreduce", "fail-allreduce")
+PHASES = ("step", "allreduce", "fail-allreduce", "sync", "donate", "corrupt")
+AT_OR_AFTER = ("sync", "donate")
+"""Phases that fire at the first such moment at or after their step (an epoch's state sync, a
+catch-up served to a joiner), which no test could place at an exact step."""
 
 
 class InjectedFault(Exception):
@@ -57,9 +66,18 @@ class FaultSchedule:
         text = os.environ.get(ENV_KILL_AT, "")
         return cls([parse_fault_point(p) for p in text.split(",") if p.strip()])
 
+    def fires(self, step: int, phase: str) -> bool:
+        """Whether a point of ``phase`` is due at ``step`` (spent once it fired)."""
+        due = {p for p in self.points if p.phase == phase and
+               (p.step == step or (phase in AT_OR_AFTER and p.step <= step))}
+        self.points -= due
+        return bool(due)
+
     def check(self, step: int, phase: str) -> None:
         """Act on the fault point at (``step``, ``phase``), if there is one."""
         point = FaultPoint(step, phase)
+        if phase in AT_OR_AFTER and self.fires(step, phase):
+            os.kill(os.getpid(), signal.SIGKILL)
         if point not in self.points:
             return
         if phase == "fail-allreduce":

@@ -3,7 +3,7 @@
 CPU-side control decides who participates (the controller's epochs); torch.distributed moves the
 bytes through torchft's reconfigurable process groups: ``ProcessGroupGloo`` for CPU tensors,
 ``ProcessGroupNCCL`` for CUDA ones (aborted through ``ncclCommAbort`` on a timeout or an epoch
-change; not yet run on a GPU here). One group per epoch and shard index:
+change; ``bench/gpu_check.sh`` runs it on one GPU). One group per epoch and shard index:
 rank = the replica's position in ``epoch.members``, rendezvous in the TCPStore named by the epoch,
 under a prefix unique to (job, epoch, shard), so groups of different epochs never meet.
 
@@ -12,12 +12,18 @@ abandons it (:class:`EpochChanged`), a peer failure or the timeout fails it
 (:class:`CollectiveFailed`). Gloo cannot cancel an operation in flight, so an abandoned group
 is dropped with its buffers (callers pass a fresh buffer on every attempt) and a new group is
 built for the new epoch.
+
+A collective is done when its data is in memory. With Gloo that is when its future completes;
+with NCCL the future completes when the collective is queued on the GPU, and its errors come
+later, from the group (``errored()``). So for CUDA tensors :meth:`FaultTolerantAllReduce.wait`
+also waits for the device (:func:`device_arrival`) and then asks the group.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable
 
@@ -26,10 +32,18 @@ import torch.distributed as dist
 from torchft.process_group import (ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper,
                                    create_store_client)
 
+from ftsystem.devices import use_device, with_index
 from ftsystem.membership import Epoch
 from ftsystem.runtime import ControlPlane
 
 POLL_S = 0.002
+DEVICE_POLL_S = 0.0002
+"""A GPU collective of one gradient bucket takes about a millisecond: a poll as coarse as
+``POLL_S`` would add a good part of that to every bucket's wait."""
+
+Arrival = Callable[[], Callable[[], bool]]
+"""Called right after a collective's future completed: marks where its data will be, and
+returns a test of whether the data got there."""
 
 
 class EpochChanged(Exception):
@@ -46,18 +60,40 @@ def process_group_for(device: torch.device, timeout_s: float) -> ProcessGroupWra
     return ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
 
 
-def plan_state_sync(steps: list[int], fresh: list[bool]) -> tuple[int, list[int]]:
+def device_arrival(device: torch.device) -> Arrival | None:
+    """How :meth:`FaultTolerantAllReduce.wait` learns that a collective's data is in memory
+    once its future completed; None where the future alone says so (Gloo, on the CPU).
+
+    NCCL completes the future when the collective is queued, and ``future.wait()`` only makes
+    the calling thread's current stream wait for NCCL's stream. So the data is there once an
+    event recorded on the current stream after that wait has completed. Polling the event,
+    rather than synchronizing the stream, keeps the wait interruptible by a newer epoch.
+    """
+    if device.type != "cuda":
+        return None
+
+    def mark() -> Callable[[], bool]:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event.query
+    return mark
+
+
+def plan_state_sync(steps: list[int], fresh: list[bool], chains: list[bytes] | None = None
+                    ) -> tuple[int, list[int]]:
     """Who donates state at the start of an epoch, and who must load it.
 
     The donor is the first member that has synced before (not fresh) with the highest committed
     step; when every member is fresh (job start) it is member 0. Receivers are the members that
-    are behind it or fresh. Members at the donor's step hold identical state already (the
+    are behind it, fresh, or at its step on another commit chain (``ftsystem.fingerprint``: a
+    fork). Members at the donor's step on its chain hold identical state already (the
     invariant), so they load nothing.
     """
+    chains = chains or [b""] * len(steps)
     candidates = [i for i, f in enumerate(fresh) if not f] or list(range(len(steps)))
     donor = max(candidates, key=lambda i: (steps[i], -i))
-    receivers = [i for i in range(len(steps))
-                 if i != donor and (fresh[i] or steps[i] != steps[donor])]
+    receivers = [i for i in range(len(steps)) if i != donor and
+                 (fresh[i] or steps[i] != steps[donor] or chains[i] != chains[donor])]
     return donor, receivers
 
 
@@ -69,11 +105,16 @@ class FaultTolerantAllReduce:
         self.control = control
         self.shard_index = shard_index
         self.timeout_s = timeout_s
-        self.device = device
-        """Where the tensors it moves live (it picks the backend)."""
+        self.device = with_index(device)
+        """Where the tensors it moves live (it picks the backend); its helper threads use it."""
+        self.data_arrival = device_arrival(self.device)
+        """How a wait learns that the data of a completed future is in memory (None: it is)."""
         self.epoch: Epoch | None = None
         self._pg: ProcessGroupWrapper | None = None
         self._aborting: list[threading.Thread] = []
+        # Where each future waiting for its data was issued: that group reports its errors,
+        # also after a newer epoch replaced it.
+        self._issued_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def rank(self) -> int:
@@ -102,6 +143,7 @@ class FaultTolerantAllReduce:
 
         def rendezvous() -> None:
             try:
+                use_device(self.device)  # NCCL binds its communicator to the current device
                 pg.configure(addr, ctx.replica_id, rank, world)
             except BaseException as e:  # reported to the waiting thread
                 errors.append(e)
@@ -156,10 +198,14 @@ class FaultTolerantAllReduce:
         """
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            aborting = threading.Thread(target=pg.abort, kwargs={"errored": False},
-                                        daemon=True, name="ftar-abort")
+            aborting = threading.Thread(target=self._abort_group, args=(pg,), daemon=True,
+                                        name="ftar-abort")
             aborting.start()
             self._aborting = [t for t in self._aborting if t.is_alive()] + [aborting]
+
+    def _abort_group(self, pg: ProcessGroupWrapper) -> None:
+        use_device(self.device)  # not cuda:0, where it would make a CUDA context of its own
+        pg.abort(errored=False)
 
     def shutdown(self) -> None:
         """Abort the group and wait (up to the timeout) for every abort still running: a
@@ -173,13 +219,17 @@ class FaultTolerantAllReduce:
         if self._pg is None:
             raise CollectiveFailed("no group: configure an epoch first")
         try:
-            return issue(self._pg).get_future()
+            future = issue(self._pg).get_future()
         except RuntimeError as e:
             raise CollectiveFailed(str(e)) from e
+        if self.data_arrival is not None:
+            self._issued_on[future] = self._pg
+        return future
 
     def wait(self, future: torch.futures.Future) -> None:
-        """Wait for a collective of the current epoch; a newer epoch or the timeout
-        interrupts the wait (:class:`EpochChanged`, :class:`CollectiveFailed`)."""
+        """Wait until the data of a collective of the current epoch is in memory; a newer
+        epoch or the timeout interrupts the wait (:class:`EpochChanged`,
+        :class:`CollectiveFailed`), and so does an error its group reports."""
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         self._wait(lambda: done.wait(POLL_S), self.epoch)
@@ -187,6 +237,21 @@ class FaultTolerantAllReduce:
             future.wait()
         except RuntimeError as e:
             raise CollectiveFailed(f"collective in epoch {self.epoch.number} failed: {e}") from e
+        if self.data_arrival is not None:
+            self._wait_for_data(future)
+
+    def _wait_for_data(self, future: torch.futures.Future) -> None:
+        """After the future: wait for the device to write the data, then ask the group that
+        issued it whether it failed meanwhile (NCCL reports errors asynchronously; a timed-out
+        collective is aborted, which also lets the stream, and so this wait, go on)."""
+        arrived = self.data_arrival()
+        self._wait(lambda: arrived() or time.sleep(DEVICE_POLL_S), self.epoch)
+        group = self._issued_on.get(future)
+        error = RuntimeError("issued on no group of this FTAR") if group is None \
+            else group.errored()
+        if error is not None:
+            raise CollectiveFailed(f"collective in epoch {self.epoch.number} failed on the "
+                                   f"device: {error}")
 
     def _wait(self, ready: Callable[[], bool], epoch: Epoch) -> None:
         """Poll ``ready`` (which may block up to ``POLL_S``) until it holds; a newer epoch or

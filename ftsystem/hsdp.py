@@ -40,15 +40,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ftsystem import keys, metrics
-from ftsystem.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, Snapshotter,
-                              StateServer, UpdateLog, fetch_log, fetch_snapshot, tree_tensors)
+from ftsystem.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
+                              Snapshotter, StateServer, UpdateLog, fetch_log, fetch_snapshot)
 from ftsystem.checkpoint import Checkpointer, TrainingState
 from ftsystem.faults import FaultSchedule, InjectedFault
+from ftsystem.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
+                                  to_words)
 from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, plan_state_sync
 from ftsystem.membership import Epoch, Registration, ReplicaState
 from ftsystem.overlap import (DEFAULT_BUCKET_CAP_BYTES, GradientProducedTwice, OverlapInvalid,
                               OverlappedGradSum)
 from ftsystem.replica_group import ReplicaGroup, Verdict
+from ftsystem.replicated import (AdvancedBy, Batches, RegistrationMismatch, ReplicatedObjects,
+                                 Stateful)
 from ftsystem.runtime import ControlPlane, Heartbeat, ReplicaContext
 from ftsystem.shards import (flat_grads, grads_as_views, load_local_state, local, local_numel,
                              local_state, release_grads)
@@ -72,6 +76,10 @@ ENV_BUCKET_BYTES = "FTSYSTEM_BUCKET_BYTES"
 """Largest gradient bucket of the overlap (default 25 MiB, like DDP's ``bucket_cap_mb``)."""
 ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
+ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"
+"""Committed steps between comparisons of the members' state digests (default 100; every
+replica of a job must use the same value). Measured by ``ftsystem bench fingerprint``."""
+DEFAULT_FINGERPRINT_EVERY = 100
 
 
 def _env_int(name: str, default: int) -> int:
@@ -121,18 +129,49 @@ class ReplicaEvictedError(RuntimeError):
     """The controller removed this replica from the job (its lease expired); restart it."""
 
 
+class DivergenceError(RuntimeError):
+    """The members' states differ and no majority says which is right: the job must stop."""
+
+
+class ForkedHistory(RuntimeError):
+    """A logged update does not continue this replica's commit chain (another history)."""
+
+
 class FTReplica:
     """One replica's side of FT-HSDP: membership, FTAR of gradients, commits, state sync."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 step_fn: Callable[[], None] | None = None,
                  ctx: ReplicaContext | None = None, overlap: bool | None = None) -> None:
-        """``overlap``: send the all-reduce of gradient buckets while backward runs (default:
+        """``step_fn``: what :meth:`commit` runs once the parameters' ``.grad`` hold the
+        gradients averaged over the members (default: ``optimizer.step()``). Put everything
+        the step does after averaging there: clipping, unscaling, the optimizer, the
+        scheduler, an EMA. Catch-up replays committed steps by running it on the logged
+        averages, so it must depend only on the gradients, on what ``model`` and
+        ``optimizer`` hold, and on registered objects (:meth:`register`); anything else
+        shows up as a divergence. It may modify ``.grad`` in place (clipping): it runs on a
+        copy of the average (one gradient-sized copy per step), the log keeps the average.
+
+        ``overlap``: send the all-reduce of gradient buckets while backward runs (default:
         ``FTSYSTEM_OVERLAP``, else :func:`overlap_by_default`). It needs one backward per
         commit: a program accumulating gradients over several must pass False. Replicas of
         several ranks never overlap (their FSDP reduce-scatter does, inside the replica)."""
         self.ctx = ctx or ReplicaContext.from_env()
         self.replica = ReplicaGroup(self.ctx.local_world_size)
         self.model, self.optimizer = model, optimizer
+        self._step_fn = step_fn or optimizer.step
+        self.objects = ReplicatedObjects()
+        self.chain = GENESIS
+        """The commit chain after ``self.step`` (``ftsystem.fingerprint``)."""
+        self._carry = b""  # the loop-advanced objects' states after self.step
+        # A step function of the user's may write into .grad (clipping, unscaling), and not
+        # every in-place kernel bumps the version counter (GradScaler.unscale_ does not): it
+        # runs on a copy, so the log keeps the average it ran on.
+        self._copy_grads = step_fn is not None
+        self._scratch: torch.Tensor | None = None
+        self._fingerprint_every = _env_int(ENV_FINGERPRINT_EVERY, DEFAULT_FINGERPRINT_EVERY)
+        self.divergences: list[dict] = []
+        """Divergences this replica took part in: step, how found, who differed."""
         self.started = time.time()
         self.step = 0
         self.commits: list[tuple[int, float]] = []
@@ -168,12 +207,14 @@ class FTReplica:
         # Catch-up material this replica can donate, and what it learnt catching up itself.
         self.update_log = UpdateLog(_env_int(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES))
         self.snapshotter = Snapshotter(self._state, self.ctx.host, self.ctx.timeout_s)
-        self.state_server = StateServer(self.ctx.host, self.snapshotter, self.update_log,
-                                        lambda: self.step, self.ctx.timeout_s)
+        self.state_server = StateServer(
+            self.ctx.host, self.snapshotter, self.update_log, lambda: self.step,
+            self.ctx.timeout_s, before_serving=lambda: self.faults.check(self.step, "donate"))
         self.catchup_stats: dict = {}
         self._donor_addr: str | None = None
         self.checkpointer = _checkpointer_from_env()
-        self._disk_state = {"train": TrainingState(model, optimizer)}
+        self._disk_state = {"train": TrainingState(model, optimizer),
+                            f"replicated_rank{self.ctx.local_rank}": _DiskExtras(self)}
         self.resumed_from: int | None = None
         """The disk checkpoint's step this replica started from (a cold start), if any."""
         self._labels = (self.ctx.job, self.ctx.replica_id)
@@ -188,12 +229,29 @@ class FTReplica:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def register(self, name: str, obj: Stateful, *, advanced_by: AdvancedBy = "step") -> None:
+        """Make ``obj`` (anything with ``state_dict()``/``load_state_dict()``) part of the
+        replicated state under ``name``; before :meth:`start`. ``advanced_by``: "step" when
+        the step function advances it (a scheduler, a ``GradScaler``, an EMA), "loop" when
+        the loop does, outside the step (see ``ftsystem.replicated``)."""
+        self.objects.register(name, obj, advanced_by)
+
+    def register_data(self, name: str, loader: Stateful) -> Batches:
+        """Register a stateful data loader (e.g. torchdata's ``StatefulDataLoader``) and
+        return the iterator to take batches from: ``batch = next(batches)`` once per step.
+        It follows the loader's position whenever this replica receives the job's state."""
+        batches = Batches(loader)
+        self.register(name, batches, advanced_by="loop")
+        return batches
+
     def start(self) -> None:
         """Join the job: catch up from a donor while the others train, then enter an epoch.
 
         With no running epoch to catch up with (the job is starting, or every replica died),
         the replica registers ready at once and the epoch's state sync aligns everybody.
         """
+        self.objects.freeze()
+        self._carry = self.objects.carry()
         addresses = self._addresses()
         epoch = self.control.epoch
         running = epoch is not None and epoch.members and not epoch.paused
@@ -229,17 +287,28 @@ class FTReplica:
         self.control.close()
 
     def _state(self) -> dict:
-        return {**local_state(self.model, self.optimizer), "step": self.step}
+        """Everything replicated, at ``self.step``: tensors by reference (see Snapshotter)."""
+        return {**local_state(self.model, self.optimizer), "step": self.step,
+                "objects": self.objects.step_state(), "carry": self._carry, "chain": self.chain}
+
+    def _fingerprinted(self) -> dict:
+        """What the state digest covers: everything replicated but the chain (compared on
+        its own at every epoch entry), the loop-advanced objects decoded."""
+        state = self._state()
+        del state["chain"]
+        state["carry"] = self.objects.decode(self._carry)
+        return state
 
     # --- the step --------------------------------------------------------------------------
 
     def commit(self, *, loss: float | None = None, samples: int = 0) -> bool:
-        """Average the gradients over the epoch's members and step the optimizer.
+        """Average the gradients over the epoch's members and run the step function on them.
 
         Returns False when the gradients were dropped because this replica's state was replaced
         by a more advanced member's at an epoch change; the caller simply goes on with
-        ``self.step``. ``loss`` and ``samples`` of the step only feed the metrics. Either way
-        the gradients are None afterwards, as after ``optimizer.zero_grad()``.
+        ``self.step`` (a registered data loader is then at the replaced state's position).
+        ``loss`` and ``samples`` of the step only feed the metrics. Either way the gradients
+        are None afterwards, as after ``optimizer.zero_grad()``.
         """
         self.faults.check(self.step, "step")
         overlapped, self._overlap_armed = self._overlap_armed, False
@@ -247,12 +316,18 @@ class FTReplica:
         if buf is None:
             return False
         buf /= self.ftar.world_size
-        self._apply_update(buf)
+        chain = chain_next(self.chain, self.step + 1, self.ftar.epoch.number)
+        parent, intact = self.chain, self._apply_update(buf, chain)
+        self._carry = self.objects.carry()
         self._committed()
-        self.update_log.append(self.step, buf)
+        self._log(LoggedUpdate(buf, parent, chain, self._carry), intact)
         metrics.SAMPLES.labels(*self._labels).inc(samples)
         if loss is not None:
             metrics.LOSS.labels(*self._labels).set(loss)
+        if self.faults.fires(self.step, "corrupt"):
+            self._corrupt()
+        if self.step % self._fingerprint_every == 0:
+            self._compare_digests()
         self.snapshotter.after_commit(self.step)
         self._maybe_checkpoint()
         # Here too, not only on entry: once armed, the next backward sends buckets, and a
@@ -319,9 +394,84 @@ class FTReplica:
         if self._overlap is None or self._finished:
             return
         buf = self.update_log.recycle(self._numel, self._dtype)
-        self._overlap.arm(buf if buf is not None else torch.empty(self._numel, dtype=self._dtype),
+        self._overlap.arm(buf if buf is not None else torch.empty(
+                              self._numel, dtype=self._dtype, device=self._device),
                           self.ftar.allreduce_sum_async)
         self._overlap_armed = True
+
+    def _compare_digests(self) -> None:
+        """Compare state digests with the members (every ``FTSYSTEM_FINGERPRINT_EVERY`` steps).
+
+        A replica whose digest differs from the majority's is reported and receives the
+        majority's state in a new epoch; with no majority the job stops. A comparison that a
+        failure interrupts is skipped: the next epoch's entry compares commit chains, the
+        next comparison the states. The ranks of a replica decide together.
+        """
+        n, rank = self.ftar.world_size, self.ftar.rank
+        if n == 1:
+            return
+        started, verdict = time.monotonic(), None
+        words = torch.zeros(n, WORDS, dtype=torch.int64, device=self._device)
+        words[rank] = torch.tensor(to_words(state_digest(self._fingerprinted())))
+        try:
+            self.ftar.allreduce_sum(words)
+            verdict = judge([from_words(w) for w in words.tolist()])
+        except (EpochChanged, CollectiveFailed) as e:
+            log.info("replica %s step %d: state digests not compared (%s)",
+                     self.ctx.replica_id, self.step, e)
+        diverged, unrepairable = self.replica.any(
+            verdict is not None and rank in verdict.divergent,
+            verdict is not None and not verdict.repairable)
+        metrics.FINGERPRINT_DURATION.labels(*self._labels).observe(time.monotonic() - started)
+        members = self.ftar.epoch.members
+        if verdict is not None and not verdict.agreed:
+            log.error("replica %s step %d: state digests differ; diverged: %s, majority: %s",
+                      self.ctx.replica_id, self.step, [members[i] for i in verdict.divergent],
+                      [members[i] for i in verdict.majority] or "none")
+        if unrepairable:
+            self._report_divergence("state-digest", [m for m in members
+                                                     if m != self.ctx.replica_id])
+            self._halt(DivergenceError(
+                f"step {self.step}: the state digests of {', '.join(members)} differ and no "
+                "majority agrees on one: nobody can tell which state is right, so the job "
+                "stops. Restart it from the last disk checkpoint; see docs/divergence.md"))
+        if diverged:
+            self._report_divergence("state-digest", [members[i] for i in verdict.majority]
+                                    if verdict is not None else [])
+            self._resync()
+
+    def _report_divergence(self, found_by: str, differs_from: list[str]) -> None:
+        """Name this replica as diverged: a log line, a metric, an event in etcd (REST)."""
+        epoch = self.ftar.epoch.number
+        event = {"kind": "divergence", "replica": self.ctx.replica_id, "step": self.step,
+                 "epoch": epoch, "found_by": found_by, "differs_from": differs_from,
+                 "time": time.time()}
+        self.divergences.append(event)
+        log.error("replica %s diverged at step %d (epoch %d, found by %s): its state differs "
+                  "from %s's", self.ctx.replica_id, self.step, epoch, found_by,
+                  ", ".join(differs_from) or "the others")
+        metrics.DIVERGENCE.labels(*self._labels, found_by).inc()
+        try:
+            self.control.put_json(keys.divergence(self.ctx.job, self.step,
+                                                  self.ctx.replica_id), event)
+        except Exception as e:  # the report must not stop the repair
+            log.warning("replica %s: divergence event not written: %s", self.ctx.replica_id, e)
+
+    def _resync(self) -> None:
+        """Drop this replica's state: ask for a new epoch, in which it receives the job's."""
+        self._fresh = True
+        failed = self.ftar.epoch.number
+        self.control.register(resync_after=failed)
+        self._enter_epoch(newer_than=failed)
+
+    def _corrupt(self) -> None:
+        """Fault injection (``STEP:corrupt``): change one parameter value in memory, as a bad
+        memory cell or a faulty kernel would."""
+        self.snapshotter.before_mutation()
+        with torch.no_grad():
+            local(self._params[0]).view(-1)[0] += 1.0
+        log.warning("replica %s: corrupted a parameter at step %d (fault injection)",
+                    self.ctx.replica_id, self.step)
 
     def _maybe_checkpoint(self) -> None:
         """Rank 0 of the epoch writes the disk checkpoints (all members hold the same state)."""
@@ -347,19 +497,44 @@ class FTReplica:
         """This rank's gradient shards in one buffer (the layout the update log replays)."""
         return flat_grads(self._params, self.update_log.recycle(self._numel, self._dtype))
 
-    def _apply_update(self, update: torch.Tensor) -> None:
-        """Step the optimizer on the averaged gradient: committed step ``step + 1``.
+    def _apply_update(self, update: torch.Tensor, chain: bytes) -> bool:
+        """Run the step function on the averaged gradient: committed step ``step + 1``,
+        whose commit chain is ``chain``. Returns whether ``update`` is still what it ran on.
 
-        The gradients are views of ``update``, not copies of it, and are dropped after the
-        step: ``update`` goes to the update log, which an in-place write into ``.grad`` (a
-        ``zero_grad(set_to_none=False)``) would corrupt for every replica catching up from it.
+        With the default step (``optimizer.step()``) the gradients are views of ``update``,
+        not copies of it, and are dropped after the step: ``update`` goes to the update log.
+        Should the optimizer write into ``.grad`` anyway (seen from the version counter),
+        this entry cannot be replayed, and from then on the step runs on a copy.
         """
         self.snapshotter.before_mutation()
-        grads_as_views(self._params, update)
+        version = update._version
+        grads_as_views(self._params, self._grad_copy(update) if self._copy_grads else update)
         try:
-            self.optimizer.step()
+            self._step_fn()
         finally:
             release_grads(self._params)
+        self.chain = chain
+        if update._version == version:
+            return True
+        log.info("replica %s: the step function modifies .grad in place; the update log keeps "
+                 "a copy of each averaged gradient from now on", self.ctx.replica_id)
+        self._copy_grads = True
+        return False
+
+    def _grad_copy(self, update: torch.Tensor) -> torch.Tensor:
+        """``update`` copied into a buffer kept across steps (a new one per step would be
+        page-faulted in: see UpdateLog.recycle)."""
+        if self._scratch is None or self._scratch.shape != update.shape:
+            self._scratch = torch.empty_like(update)
+        return self._scratch.copy_(update)
+
+    def _log(self, update: LoggedUpdate, intact: bool) -> None:
+        """Keep ``update`` for replicas catching up; an entry whose gradient the step function
+        modified cannot reproduce its step, and no older entry leads past it."""
+        if intact:
+            self.update_log.append(self.step, update)
+        else:
+            self.update_log.clear()
 
     def _committed(self) -> None:
         """Count a committed step: ``self.step`` is the number of committed steps."""
@@ -450,76 +625,146 @@ class FTReplica:
             newer_than = epoch.number  # paused, or a join that does not include us yet
 
     def _stage_sync(self) -> Callable[[], None] | None:
-        """Compare committed steps with the other members; bring the ones behind up to date.
+        """Compare committed steps and commit chains with the other members; bring the ones
+        behind (or on another history) up to date.
 
-        Members behind by a few steps (an uncommitted step, a joiner that caught up) receive
-        the donor's logged updates to replay; fresh members, or ones behind what the donor's
-        log holds, receive its whole state. What was received is returned as a function that
-        applies it (None: this rank's state stays), to be called once the replica's ranks
-        agreed: all shards of a replica change together or none does.
+        Members behind by a few steps on the donor's history (an uncommitted step, a joiner
+        that caught up) receive the donor's logged updates to replay; fresh members, forked
+        ones (same step, another chain: a step they received from a replica that died, which
+        the others redid) and ones behind what the donor's log holds receive its whole state.
+        What was received is returned as a function that applies it (None: this rank's state
+        stays), to be called once the replica's ranks agreed: all shards of a replica change
+        together or none does.
         """
         n, rank = self.ftar.world_size, self.ftar.rank
         # What this replica can donate is fixed now: the session expiry may trim the log later.
         held = self.update_log.entries()
-        info = torch.zeros(3 * n, dtype=torch.float64, device=self._device)
-        info[3 * rank: 3 * rank + 3] = torch.tensor(
-            [self.step, float(self._fresh), held[0][0] if held else -1.0])
+        row = [self.step, int(self._fresh), held[0][0] if held else -1, self._signature_word(),
+               *to_words(self.chain)]
+        info = torch.zeros(n, len(row), dtype=torch.int64, device=self._device)
+        info[rank] = torch.tensor(row, dtype=torch.int64)
         self.ftar.allreduce_sum(info)
-        steps = [int(s) for s in info[0::3].tolist()]
-        fresh = [bool(f) for f in info[1::3].tolist()]
-        donor, receivers = plan_state_sync(steps, fresh)
+        steps, fresh, oldest, signatures, *chain_words = zip(*info.tolist())
+        chains = [from_words(words) for words in zip(*chain_words)]
+        donor, receivers = plan_state_sync(list(steps), [bool(f) for f in fresh], chains)
+        self._check_signature(signatures, donor)
         if not receivers:
             return None
-        first_needed = min(steps[r] for r in receivers) + 1
-        donor_oldest = int(info[3 * donor + 2])
-        if not any(fresh[r] for r in receivers) and 0 <= donor_oldest <= first_needed:
-            apply = self._sync_by_log(rank, donor, first_needed, steps[donor], held)
+        self.faults.check(self.step, "sync")  # state is about to move between members
+        last, first_needed = steps[donor], min(steps[r] for r in receivers) + 1
+        by_log = not any(fresh[r] or steps[r] == last for r in receivers) and \
+            0 <= oldest[donor] <= first_needed
+        parents = {}
+        if by_log:
+            meta = self._broadcast_log_meta(rank, donor, first_needed, last, held)
+            parents = {step: parent for step, parent, _, _ in meta}
+            by_log = all(parents[steps[r] + 1] == chains[r] for r in receivers)
+        forked = steps[rank] == last or parents.get(steps[rank] + 1, chains[rank]) != chains[rank]
+        if rank in receivers and not fresh[rank] and forked:
+            self._report_divergence("commit-chain", [self.ftar.epoch.members[donor]])
+        if by_log:
+            apply = self._sync_by_log(rank, donor, first_needed, last, held, meta)
         else:
             apply = self._sync_by_state(rank, donor)
         return apply if rank in receivers else None
 
+    def _signature_word(self) -> int:
+        """What every replica must agree on, hashed: the registered objects, the interval of
+        digest comparisons (their collectives must pair up)."""
+        text = f"{self.objects.signature()}|{self._fingerprint_every}"
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
+                              signed=True)
+
+    def _check_signature(self, signatures: tuple[int, ...], donor: int) -> None:
+        if signatures[self.ftar.rank] == signatures[donor]:
+            return
+        self._halt(RegistrationMismatch(
+            f"replica {self.ctx.replica_id} registered [{self.objects.signature()}] with "
+            f"{ENV_FINGERPRINT_EVERY}={self._fingerprint_every}, and replica "
+            f"{self.ftar.epoch.members[donor]} something else: every replica of a job must "
+            "register the same objects (names and advanced_by) and use the same settings"))
+
+    def _halt(self, error: Exception) -> None:
+        """Raise ``error``, which no restart can fix: its agent stops restarting this replica."""
+        log.error("replica %s: %s", self.ctx.replica_id, error)
+        self.control.put_json(keys.halted(self.ctx.job, self.ctx.replica_id),
+                              {"time": time.time(), "step": self.step, "reason": str(error)})
+        raise error
+
+    def _broadcast_bytes(self, payload: bytes, root: int) -> bytes:
+        """``payload`` of member ``root``, on every member."""
+        size = torch.zeros(1, dtype=torch.int64, device=self._device)
+        if self.ftar.rank == root:
+            size[0] = len(payload)
+        self.ftar.allreduce_sum(size)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
+        if self.ftar.rank == root:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.ftar.broadcast(buf, root)
+        return buf.cpu().numpy().tobytes()
+
+    def _broadcast_log_meta(self, rank: int, donor: int, first: int, last: int,
+                            held: list[tuple[int, LoggedUpdate]]
+                            ) -> list[tuple[int, bytes, bytes, bytes]]:
+        """The donor's (step, parent chain, chain, carry) for steps ``first..last``."""
+        payload = b""
+        if rank == donor:
+            rows = [(step, u.parent, u.chain, u.carry) for step, u in held
+                    if first <= step <= last]
+            if [row[0] for row in rows] != list(range(first, last + 1)):
+                raise RuntimeError(f"update log does not hold steps {first}..{last}: a bug; "
+                                   "dying is better than a silent divergence")
+            out = io.BytesIO()
+            torch.save(rows, out)
+            payload = out.getvalue()
+        received = self._broadcast_bytes(payload, donor)
+        return [tuple(row) for row in torch.load(io.BytesIO(received), weights_only=True)]
+
     def _sync_by_log(self, rank: int, donor: int, first: int, last: int,
-                     held: list[tuple[int, torch.Tensor]]) -> Callable[[], None]:
+                     held: list[tuple[int, LoggedUpdate]],
+                     meta: list[tuple[int, bytes, bytes, bytes]]) -> Callable[[], None]:
         """Broadcast the donor's updates for steps ``first..last``; replay the missing ones."""
         updates = torch.zeros(last - first + 1, self._numel, dtype=self._dtype,
                               device=self._device)
         if rank == donor:
-            rows = [(step, update) for step, update in held if first <= step <= last]
-            if [step for step, _ in rows] != list(range(first, last + 1)):
-                raise RuntimeError(f"update log does not hold steps {first}..{last}: a bug; "
-                                   "dying is better than a silent divergence")
-            for step, update in rows:
-                updates[step - first].copy_(update)
+            for step, update in held:
+                if first <= step <= last:
+                    updates[step - first].copy_(update.grad)
         self.ftar.broadcast(updates, donor)
 
         def replay() -> None:
-            for step in range(self.step + 1, last + 1):
-                self._replay(updates[step - first])
+            for step, parent, chain, carry in meta:
+                if step > self.step:
+                    self._replay(LoggedUpdate(updates[step - first], parent, chain, carry))
         return replay
 
     def _sync_by_state(self, rank: int, donor: int) -> Callable[[], None]:
-        payload = self._serialize() if rank == donor else b""
-        size = torch.tensor([float(len(payload))], dtype=torch.float64, device=self._device)
-        self.ftar.allreduce_sum(size)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
-        if rank == donor:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self.ftar.broadcast(buf, donor)
+        buf = self._broadcast_bytes(self._serialize() if rank == donor else b"", donor)
         source = self.ftar.epoch.members[donor]
 
         def load() -> None:
-            self._load(torch.load(io.BytesIO(buf.cpu().numpy().tobytes()), weights_only=True))
+            self._load(torch.load(io.BytesIO(buf), weights_only=True,
+                                  map_location=self._device))
+            self._fresh = False
             log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
                      self.ctx.local_rank, self.step, source)
         return load
 
-    def _replay(self, update: torch.Tensor) -> None:
-        """Apply a logged update of a peer: this replica commits the same step bit for bit."""
-        update = update.to(self._device, copy=True)  # the log keeps it; the source is reused
-        self._apply_update(update)
+    def _replay(self, logged: LoggedUpdate) -> None:
+        """Run the step function on a peer's logged update: this replica commits the same
+        step bit for bit, and takes the loop-advanced objects' states of that step."""
+        if logged.parent != self.chain:
+            raise ForkedHistory(
+                f"replica {self.ctx.replica_id} at step {self.step}: the logged update for step "
+                f"{self.step + 1} continues another history (commit chain "
+                f"{logged.parent.hex()[:12]}, ours {self.chain.hex()[:12]})")
+        grad = logged.grad.to(self._device, copy=True)  # the log keeps it; the source is reused
+        intact = self._apply_update(grad, logged.chain)
+        self.objects.load_carry(logged.carry)
+        self._carry = logged.carry
         self.step += 1
         self.heartbeat.beat(self.step)
-        self.update_log.append(self.step, update)
+        self._log(LoggedUpdate(grad, logged.parent, logged.chain, logged.carry), intact)
         metrics.CATCHUP_STEPS.labels(*self._labels).inc()
 
     def _serialize(self) -> bytes:
@@ -531,7 +776,9 @@ class FTReplica:
         self.snapshotter.before_mutation()
         self.update_log.clear()
         load_local_state(self.model, self.optimizer, state)
-        self.step = state["step"]
+        self.objects.load_step_state(state["objects"])
+        self.objects.load_carry(state["carry"])
+        self.step, self.chain, self._carry = state["step"], state["chain"], state["carry"]
         self.heartbeat.beat(self.step)
 
     # --- catch-up (joiner side) -------------------------------------------------------------
@@ -609,6 +856,12 @@ class FTReplica:
         updates, head, nbytes = fetched
         for step, update in updates:
             if step == self.step + 1:
+                if update.parent != self.chain:  # the donor's history is not ours
+                    log.warning("replica %s: donor's log does not continue our commit chain at "
+                                "step %d: fetching its full state", self.ctx.replica_id,
+                                self.step)
+                    self._fresh = True
+                    return None
                 self._replay(update)
                 self.catchup_stats["steps_replayed"] += 1
         self.catchup_stats["bytes"] += nbytes
@@ -670,10 +923,30 @@ class FTReplica:
         return regs, agents
 
     def state_hash(self) -> str:
-        """SHA-256 of this rank's parameters and optimizer state (its shard): equal across
-        replicas at equal steps, rank by rank."""
-        digest = hashlib.sha256()
-        for tensor in tree_tensors(local_state(self.model, self.optimizer)):
-            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
-                          .numpy().tobytes())
-        return digest.hexdigest()
+        """The digest of this rank's replicated state (its shard of parameters and optimizer
+        state, the registered objects, the step): equal across replicas at equal steps, rank
+        by rank."""
+        return state_digest(self._fingerprinted()).hex()
+
+
+class _DiskExtras:
+    """The replicated state beyond model and optimizer, as a DCP ``Stateful``: registered
+    objects, the commit chain. One blob per rank (each rank's objects hold its shard)."""
+
+    def __init__(self, replica: FTReplica) -> None:
+        self._replica = replica
+
+    def state_dict(self) -> dict:
+        r = self._replica
+        out = io.BytesIO()
+        torch.save({"objects": r.objects.step_state(), "carry": r._carry, "chain": r.chain},
+                   out)
+        return {"blob": out.getvalue()}
+
+    def load_state_dict(self, state: dict) -> None:
+        r = self._replica
+        extras = torch.load(io.BytesIO(state["blob"]), weights_only=True,
+                            map_location=r._device)
+        r.objects.load_step_state(extras["objects"])
+        r.objects.load_carry(extras["carry"])
+        r._carry, r.chain = extras["carry"], extras["chain"]

@@ -94,6 +94,21 @@ def failure(job_id: str, replica_id: str, generation: int) -> str:
     return f"{failures(job_id)}{check_id('replica', replica_id)}/{generation:06d}"
 
 
+def divergences(job_id: str) -> str:
+    """Prefix of divergence reports (no lease: kept for reports and the REST API)."""
+    return f"{job(job_id)}/divergences/"
+
+
+def divergence(job_id: str, step: int, replica_id: str) -> str:
+    return f"{divergences(job_id)}{step:09d}-{check_id('replica', replica_id)}"
+
+
+def halted(job_id: str, replica_id: str) -> str:
+    """Set by a replica that hit an error a restart cannot fix: its agent stops restarting it
+    (no lease: the reason outlives the process)."""
+    return f"{job(job_id)}/halted/{check_id('replica', replica_id)}"
+
+
 def last_segment(key: str) -> str:
     return key.rstrip("/").rsplit("/", 1)[-1]
 

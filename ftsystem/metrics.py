@@ -42,6 +42,12 @@ FTAR_FAILURES = Counter("ftsystem_ftar_failures_total", "All-reduce attempts tha
 STALL = Counter("ftsystem_stall_seconds_total",
                 "Seconds spent reconfiguring or waiting for an epoch", ["job", "replica"])
 LOSS = Gauge("ftsystem_training_loss", "Last training loss", ["job", "replica"])
+DIVERGENCE = Counter("ftsystem_divergence_total",
+                     "Times this replica's state differed from the job's (state digest or "
+                     "commit chain), by how it was found", ["job", "replica", "found_by"])
+FINGERPRINT_DURATION = Histogram("ftsystem_fingerprint_seconds",
+                                 "Digest of the replicated state and its comparison",
+                                 ["job", "replica"], buckets=_LATENCY_BUCKETS)
 SAMPLES = Counter("ftsystem_samples_total", "Training samples committed", ["job", "replica"])
 
 # --- catch-up ---

@@ -2,9 +2,9 @@
 
 A replica of N ranks is one member of the job. Rank k takes part in the cross-replica group of
 shard k (``FaultTolerantAllReduce(shard_index=k)``), and the replica commits a step only when
-every one of its ranks succeeded in the same epoch (DESIGN, step protocol, step 3): otherwise
-shard 0 could commit step t while shard 1 does not, and no peer could repair the mix. So each
-attempt (an all-reduce of the gradients, or entering an epoch) ends with a :meth:`vote`, and
+every one of its ranks succeeded in the same epoch (docs/design.md, step protocol, step 3):
+otherwise shard 0 could commit step t while shard 1 does not, and no peer could repair the mix. So
+each attempt (an all-reduce of the gradients, or entering an epoch) ends with a :meth:`vote`, and
 whatever changes the state is applied only after the vote passed.
 
 Votes travel over a Gloo group of the replica's ranks (CPU-side control, whatever backend
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ftsystem.devices import local_device, use_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +97,13 @@ class ReplicaGroup:
 def init_replica_group() -> int:
     """Start the process group of this replica's ranks from the agent's environment.
 
-    Call it first thing in a replica of several ranks (before ``fully_shard``); it returns the
-    number of ranks and does nothing for a replica of one. NCCL carries the shards on GPU,
-    Gloo on CPU.
+    Call it first thing in every replica (before ``fully_shard``); it returns the number of
+    ranks. On a GPU machine it makes the rank's GPU (``ftsystem.devices.local_device()``) the
+    current device, also in a replica of one, which has no group. NCCL carries the shards on
+    GPU, Gloo on CPU.
     """
+    use_device(local_device())  # before the group: NCCL binds communicators to it
     size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if size > 1 and not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return size

@@ -217,6 +217,11 @@ class ControlPlane:
     def get_json(self, key: str) -> Any:
         return self._bg.run(self._store.get_json(key), timeout=self.ctx.timeout_s)
 
+    def put_json(self, key: str, value: Any) -> None:
+        """Write a record that outlives this process (no lease), if this rank speaks."""
+        if self.speaks_for_replica:
+            self._bg.run(self._store.put_json(key, value), timeout=self.ctx.timeout_s)
+
     def job_items(self, prefix: str) -> dict[str, bytes]:
         return self._bg.run(self._store.get_prefix(prefix), timeout=self.ctx.timeout_s)[0]
 

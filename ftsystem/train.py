@@ -1,5 +1,11 @@
 """The example replica program of ``ftsystem run``: TinyGPT on the synthetic Markov language.
 
+A training loop as users write them, through the public API only (docs/adopting.md): AdamW with
+a warmup-plus-cosine ``LambdaLR`` stepped every committed step, the averaged gradient clipped,
+a ``GradScaler`` (or bf16 autocast), dropout, and a torchdata ``StatefulDataLoader``. The
+scheduler and the scaler are advanced by the step function, which ``FTReplica`` runs after
+averaging, live and when it replays logged steps; the loader is advanced by the loop.
+
 Run it under an agent: ``ftsystem agent ... -- python -m ftsystem.train --steps 300``. At the end
 it writes ``OUT/<replica>.json`` (commits with wall times, epochs entered, final losses, the state
 hash) for the run's summary.
@@ -12,28 +18,42 @@ sharded over them with FSDP2 (each transformer block, then the rest), rank k rea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import math
 import os
 import logging
 import time
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.distributed.fsdp import fully_shard
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ftsystem.hsdp import FTReplica
 from ftsystem.replica_group import init_replica_group
-from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
+from ftsystem.workload import MarkovBatches, MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 EVAL_SHARD = -1  # a shard no replica trains on
+# torchdata 0.11 calls a torch API that torch deprecated since; nothing to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=300, help="committed steps to train")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per replica and step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=20,
+                   help="steps of linear warmup before the cosine decay")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="clip the averaged gradient to this norm (0: no clipping)")
+    p.add_argument("--amp", choices=("scaler", "bf16", "off"), default="scaler",
+                   help="a GradScaler (loss scaling), bf16 autocast, or neither")
+    p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="seeds the model and the language")
     p.add_argument("--data-shard", type=int, default=0, help="this replica's data shard")
     p.add_argument("--model-params", type=int, default=0,
@@ -42,10 +62,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra seconds per step, to emulate a slower accelerator")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="all-reduce gradient buckets during backward (auto: on GPU only)")
+    p.add_argument("--forget-scheduler", action="store_true",
+                   help="a bug on purpose: do not register the LR scheduler (the replicas' "
+                        "states then diverge after a restart, and the digests must say so)")
     p.add_argument("--out", type=Path, default=None, help="directory for the result JSON")
     p.add_argument("--linger", type=float, default=120.0,
                    help="seconds a finished replica waits to serve replicas still restarting")
     return p.parse_args(argv)
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    """The LR factor at a step: linear warmup to 1, then cosine decay to 0.1."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    return factor
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,21 +87,49 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     cfg = ModelConfig.for_params(args.model_params) if args.model_params else ModelConfig()
+    cfg.dropout = args.dropout
     model = TinyGPT(cfg)
     ranks = init_replica_group()
     if ranks > 1:
         shard_model(model)
     language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup,
+                                                                           args.steps))
+    scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "scaler")
+
+    def step_after_averaging() -> None:
+        scaler.unscale_(optimizer)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
-    ft = FTReplica(model, optimizer, overlap=overlap)
+    ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap)
+    if not args.forget_scheduler:
+        ft.register("lr_schedule", scheduler)
+    ft.register("grad_scaler", scaler)
+    batches = ft.register_data("data", data_loader(language, model.cfg, args, ft))
     try:
         ft.start()
-        loss = train(ft, model, optimizer, language, args)
+        loss = train(ft, model, batches, scaler, args)
         ft.finish(args.linger)
         write_result(ft, model, language, args, loss)
     finally:
         ft.close()
+
+
+def data_loader(language: MarkovLanguage, cfg: ModelConfig, args: argparse.Namespace,
+                ft: FTReplica) -> StatefulDataLoader:
+    """This rank's shard, shuffled; the shuffle's seed is the job's, so every replica's loader
+    holds the same state (its position) at equal steps, while each reads its own shard."""
+    shard = args.data_shard * ft.ctx.local_world_size + ft.ctx.local_rank
+    dataset = MarkovBatches(language, shard=shard, num_batches=max(64, args.steps),
+                            batch_size=args.batch_size, seq_len=cfg.seq_len)
+    return StatefulDataLoader(dataset, batch_size=None, shuffle=True,
+                              generator=torch.Generator().manual_seed(args.seed))
 
 
 def shard_model(model: TinyGPT) -> None:
@@ -78,17 +139,18 @@ def shard_model(model: TinyGPT) -> None:
     fully_shard(model)
 
 
-def train(ft: FTReplica, model: TinyGPT, optimizer: torch.optim.Optimizer,
-          language: MarkovLanguage, args: argparse.Namespace) -> float | None:
+def train(ft: FTReplica, model: TinyGPT, batches, scaler: torch.amp.GradScaler,
+          args: argparse.Namespace) -> float | None:
     loss = None  # a replica that joins at the last step commits nothing itself
     progress = _progress_file(ft, args)
-    shard = args.data_shard * ft.ctx.local_world_size + ft.ctx.local_rank
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.amp == "bf16" \
+        else contextlib.nullcontext()
+    model.train()
     while ft.step < args.steps:
-        batch = language.batch(shard=shard, step=ft.step,
-                               batch_size=args.batch_size, seq_len=model.cfg.seq_len)
-        optimizer.zero_grad()
-        step_loss = model.loss(batch)
-        step_loss.backward()
+        batch = next(batches)
+        with autocast:
+            step_loss = model.loss(batch)
+        scaler.scale(step_loss).backward()
         if args.sleep_per_step:
             time.sleep(args.sleep_per_step)
         if ft.commit(loss=step_loss.item(), samples=args.batch_size):
@@ -113,8 +175,13 @@ def _progress_file(ft: FTReplica, args: argparse.Namespace) -> int | None:
 
 def eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:
     batch = language.batch(shard=EVAL_SHARD, step=0, batch_size=64, seq_len=model.cfg.seq_len)
-    with torch.no_grad():
-        return model.loss(batch).item()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model.loss(batch).item()
+    finally:
+        model.train(was_training)
 
 
 def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
@@ -131,7 +198,8 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
     result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,
               "started": ft.started, "resumed_from": ft.resumed_from,
               "commits": ft.commits, "epochs": ft.epochs, "catchup": ft.catchup_stats,
-              "overlapped_commits": ft.overlapped_commits,
+              "overlapped_commits": ft.overlapped_commits, "divergences": ft.divergences,
+              "lr": ft.optimizer.param_groups[0]["lr"],
               "shard_catchup": shard_catchup,
               "train_loss": loss,
               "eval_loss": evaluated, "shard_hashes": shard_hashes,

@@ -29,6 +29,8 @@ class ModelConfig:
     """Transformer blocks."""
     num_heads: int = 4
     """Attention heads per block."""
+    dropout: float = 0.0
+    """Dropout in the blocks (training mode only)."""
 
     @classmethod
     def for_params(cls, num_params: int) -> "ModelConfig":
@@ -49,7 +51,7 @@ class TinyGPT(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         block = nn.TransformerEncoderLayer(
-            cfg.d_model, cfg.num_heads, dim_feedforward=4 * cfg.d_model, dropout=0.0,
+            cfg.d_model, cfg.num_heads, dim_feedforward=4 * cfg.d_model, dropout=cfg.dropout,
             batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(block, cfg.num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(cfg.d_model)
@@ -70,6 +72,23 @@ class TinyGPT(nn.Module):
         logits = self(batch[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            batch[:, 1:].reshape(-1))
+
+
+class MarkovBatches(torch.utils.data.Dataset):
+    """A map-style dataset over one shard of the language: item ``i`` is the shard's batch
+    ``i`` (``batch_size`` sequences), so a loader runs with ``batch_size=None``."""
+
+    def __init__(self, language: MarkovLanguage, *, shard: int, num_batches: int,
+                 batch_size: int, seq_len: int) -> None:
+        self.language, self.shard, self.num_batches = language, shard, num_batches
+        self.batch_size, self.seq_len = batch_size, seq_len
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.language.batch(shard=self.shard, step=index, batch_size=self.batch_size,
+                                   seq_len=self.seq_len)
 
 
 def num_params(model: nn.Module) -> int:

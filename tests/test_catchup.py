@@ -14,7 +14,8 @@ import torch
 
 from conftest import wait_for
 from ftsystem import keys
-from ftsystem.catchup import KEEP_MIN_ENTRIES, UpdateLog
+from ftsystem.catchup import KEEP_MIN_ENTRIES, LoggedUpdate, UpdateLog
+from ftsystem.fingerprint import GENESIS
 from ftsystem.faults import FaultPoint
 from ftsystem.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.store import Store
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_update_log_keeps_a_window_and_a_budget():
-    entry = torch.zeros(256)  # 1 KiB
+    entry = LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS)  # 1 KiB
     log = UpdateLog(budget_bytes=10 * 1024)
     for step in range(1, 21):
         log.append(step, entry)

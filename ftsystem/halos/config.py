@@ -1,10 +1,10 @@
 """The paper's geo-distributed setup, loaded from YAML into dataclasses.
 
-The YAML (``../shared/halos_paper_setup.yaml`` from the repository root) gives the regions, the
-bandwidth matrix, the worker speeds and every method's hyperparameters; the trace
-(``../shared/traces/h200_pythia_steps.json``) gives the parameter count of the Pythia model whose
-transfers the time model charges. A malformed file raises ``SetupError`` naming the file and the
-entry, never a bare ``KeyError``.
+The YAML (``data/halos_paper_setup.yaml`` beside this module) gives the regions, the bandwidth
+matrix, the worker speeds and every method's hyperparameters; the trace
+(``data/h200_pythia_steps.json``) gives the parameter count of the Pythia model whose transfers
+the time model charges. Both ship as package data; ``data/README.md`` says where they come from.
+A malformed file raises ``SetupError`` naming the file and the entry, never a bare ``KeyError``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_SETUP = (REPO_ROOT / "../shared/halos_paper_setup.yaml").resolve()
-DEFAULT_TRACE = (REPO_ROOT / "../shared/traces/h200_pythia_steps.json").resolve()
+DATA_DIR = Path(__file__).resolve().with_name("data")
+DEFAULT_SETUP = DATA_DIR / "halos_paper_setup.yaml"
+DEFAULT_TRACE = DATA_DIR / "h200_pythia_steps.json"
 
 
 class SetupError(ValueError):
@@ -177,11 +177,10 @@ def load_setup(path: str | Path = DEFAULT_SETUP, *, trace: str | Path = DEFAULT_
     except SetupError as err:
         raise SetupError(f"{path}: {err}") from None
     except KeyError as err:
-        raise SetupError(f"{path}: missing entry {err}; compare it with "
-                         "../shared/halos_paper_setup.yaml") from None
+        raise SetupError(f"{path}: missing entry {err}; compare it with {DEFAULT_SETUP}") from None
     except (TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as err:
         raise SetupError(f"{path}: malformed setup ({type(err).__name__}: {err}); "
-                         "compare it with ../shared/halos_paper_setup.yaml") from None
+                         f"compare it with {DEFAULT_SETUP}") from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
