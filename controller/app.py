@@ -104,7 +104,7 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
         replica stopped for an error no restart fixes), oldest first."""
         _check_job(cfg.job, job)
         divergences, _ = await store.get_prefix(keys.divergences(job))
-        halted, _ = await store.get_prefix(keys.job(job) + "/halted/")
+        halted, _ = await store.get_prefix(keys.halts(job))
         events = [json.loads(v) for v in divergences.values()]
         events += [{"kind": "halt", "replica": keys.last_segment(k), **json.loads(v)}
                    for k, v in halted.items()]

@@ -14,8 +14,15 @@ communicator, so the checks are:
   ``ProcessGroupNCCL``): an epoch of one member, an all-reduce through its interruptible wait,
   a newer epoch that aborts the old group, and an all-reduce in the new one. Its control plane
   is a stand-in holding the epochs (there is no etcd on the GPU machine).
+- ``ftar_nccl_wait``: FTAR's wait on real NCCL, with the collective queued behind most of a
+  second of matrix products: NCCL's bare future completes before the data is there (recorded, the
+  reason for the check), FTAR's wait returns only once it is (the stream is idle when it
+  returns, without a synchronize), and an abort of the group after the future (what torchft's
+  timeout does) fails the wait with ``CollectiveFailed``. It runs in a process of its own:
+  an aborted communicator can leave a broken CUDA context behind.
 
-Each check records ok, seconds and details; the JSON also states the machine.
+Each check records ok, seconds and details; the JSON also states the machine. ``--checks``
+runs some of them (to rerun one within a short loan of a GPU).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,10 +45,14 @@ import torch.multiprocessing as mp
 
 from ftsystem import report
 from ftsystem.catchup import host_copy, tree_tensors
+from ftsystem.devices import local_device, use_device
 from ftsystem.membership import Epoch
 
 SNAPSHOT_BYTES = 2 << 30
 ALLREDUCE_ELEMENTS = 16 << 20
+BUSY_PRODUCTS = 40
+"""8192x8192 matrix products queued ahead of a collective: most of a second of GPU work."""
+CHILD_TIMEOUT_S = 300
 
 
 def check_snapshot_copy() -> dict:
@@ -84,6 +96,7 @@ def check_nccl_single_rank() -> dict:
 
 def _gloo_worker(rank: int, port: int, results) -> None:
     from torchft.process_group import ProcessGroupGloo
+    use_device(local_device())  # both replicas: LOCAL_RANK 0 of their own, the one GPU
     pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
     pg.configure(f"127.0.0.1:{port}/gloo", f"replica{rank}", rank, 2)
     tensor = torch.full((ALLREDUCE_ELEMENTS,), float(rank + 1), device="cuda")
@@ -112,18 +125,28 @@ class _Epochs:
         default_factory=lambda: SimpleNamespace(job="gpu-check", replica_id="r0"))
 
 
-def check_ftar_nccl_single_rank() -> dict:
+def _one_member_ftar(timeout_s: float):
+    """FTAR for this process's GPU, its control-plane stand-in, and the store it meets in."""
     from ftsystem.ftar import FaultTolerantAllReduce
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    control = _Epochs(Epoch(number=1, members=("r0",), store_addr=f"127.0.0.1:{store.port}"))
-    ftar = FaultTolerantAllReduce(control, timeout_s=60, device=torch.device("cuda"))
+    control = _Epochs(_one_member_epoch(1, store))
+    use_device(local_device())
+    ftar = FaultTolerantAllReduce(control, timeout_s=timeout_s, device=local_device())
+    return ftar, control, store
+
+
+def _one_member_epoch(number: int, store: dist.TCPStore) -> Epoch:
+    return Epoch(number=number, members=("r0",), store_addr=f"127.0.0.1:{store.port}")
+
+
+def check_ftar_nccl_single_rank() -> dict:
+    ftar, control, store = _one_member_ftar(timeout_s=60)
     times, ok = [], True
     for number in (1, 2):  # the second configure aborts the first epoch's group
-        control.epoch = Epoch(number=number, members=("r0",),
-                              store_addr=f"127.0.0.1:{store.port}")
+        control.epoch = _one_member_epoch(number, store)
         started = time.perf_counter()
         ftar.configure(control.epoch)
-        tensor = torch.full((ALLREDUCE_ELEMENTS,), 2.0, device="cuda")
+        tensor = torch.full((ALLREDUCE_ELEMENTS,), 2.0, device=ftar.device)
         ftar.allreduce_sum(tensor)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
@@ -132,15 +155,94 @@ def check_ftar_nccl_single_rank() -> dict:
     return {"ok": ok, "configure_allreduce_s": times}
 
 
+def _queue_busy_work() -> None:
+    """Queue GPU work on the current stream and return at once: a collective issued next
+    waits for it (NCCL's stream waits for the issuing one)."""
+    busy = torch.randn(8192, 8192, device=local_device())
+    for _ in range(BUSY_PRODUCTS):
+        busy = busy @ busy / 8192
+
+
+def _ftar_nccl_wait(result) -> None:
+    """``check_ftar_nccl_wait``'s body, in its own process; fills ``result`` as it goes."""
+    from ftsystem.ftar import CollectiveFailed
+    ftar, control, _store = _one_member_ftar(timeout_s=30)
+    ftar.configure(control.epoch)
+    stream = torch.cuda.current_stream(ftar.device)
+    tensor = torch.full((ALLREDUCE_ELEMENTS,), 2.0, device=ftar.device)
+    _queue_busy_work()
+    future = ftar.allreduce_sum_async(tensor)
+    future.wait()  # what FTAR's wait did before: NCCL's future is done once queued
+    result["bare_future_before_data"] = not stream.query()
+    torch.cuda.synchronize()
+    _queue_busy_work()
+    started = time.perf_counter()
+    ftar.wait(ftar.allreduce_sum_async(tensor))
+    result["ftar_wait_s"] = time.perf_counter() - started
+    result["ftar_wait_returned_with_data"] = stream.query()  # no synchronize in between
+    result["exact"] = bool(torch.all(tensor == 2.0))  # a sum over one member
+    _queue_busy_work()
+    future = ftar.allreduce_sum_async(tensor)
+    ftar._pg.abort()  # what torchft's timeout does, reported by errored() after the future
+    try:
+        ftar.wait(future)
+        result["abort_after_future"] = "wait returned"
+    except CollectiveFailed as e:
+        result["abort_after_future"] = f"CollectiveFailed: {e}"
+    ftar.shutdown()
+    result["ok"] = (result["ftar_wait_returned_with_data"] and result["exact"]
+                    and "failed on the device" in result["abort_after_future"])
+
+
+def _fill_in_child(body: Callable[[dict], None], result) -> None:
+    try:
+        body(result)
+    except Exception as e:  # reported like an in-process check's failure
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-2000:]
+
+
+def _in_child(body: Callable[[dict], None]) -> dict:
+    """Run ``body`` in a process of its own, which fills in the result as it goes: a broken
+    CUDA context (an abort can leave one) costs this check only, and keeps what it found."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        result = manager.dict()
+        child = ctx.Process(target=_fill_in_child, args=(body, result))
+        child.start()
+        child.join(CHILD_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        out = dict(result)
+    if child.exitcode != 0:
+        out["error"] = out.get("error", f"the check's process ended with {child.exitcode}")
+    out["ok"] = bool(out.get("ok")) and "error" not in out
+    return out
+
+
+def check_ftar_nccl_wait() -> dict:
+    return _in_child(_ftar_nccl_wait)
+
+
 CHECKS = {"snapshot_copy": check_snapshot_copy, "nccl_single_rank": check_nccl_single_rank,
           "gloo_cuda_two_replicas": check_gloo_cuda_two_replicas,
-          "ftar_nccl_single_rank": check_ftar_nccl_single_rank}
+          "ftar_nccl_single_rank": check_ftar_nccl_single_rank,
+          "ftar_nccl_wait": check_ftar_nccl_wait}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", type=Path, required=True)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, required=True, help="where the results go")
+    parser.add_argument("--checks", default=",".join(CHECKS), help="the checks to run, "
+                        f"comma-separated (default: all of {', '.join(CHECKS)})")
     args = parser.parse_args(argv)
+    names = [name.strip() for name in args.checks.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CHECKS]
+    if unknown:
+        parser.error(f"--checks: no check named {', '.join(unknown)}; "
+                     f"the checks are {', '.join(CHECKS)}")
     out: dict = {"machine": report.machine(), "cuda": torch.cuda.is_available()}
     if not out["cuda"]:
         out["reason"] = "no CUDA device: run this on a GPU machine"
@@ -148,17 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         print(out["reason"], file=sys.stderr)
         return 2
     out["device"] = torch.cuda.get_device_name()
-    for name, check in CHECKS.items():
+    for name in names:
         started = time.perf_counter()
         try:
-            out[name] = check()
+            out[name] = CHECKS[name]()
         except Exception as e:  # a failed check is a result too; the others still run
             out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-2000:]}
         out[name]["wall_s"] = time.perf_counter() - started
         print(f"{name}: {'ok' if out[name]['ok'] else 'FAILED'}", flush=True)
     args.json.write_text(json.dumps(out, indent=2))
-    return 0 if all(out[name]["ok"] for name in CHECKS) else 1
+    return 0 if all(out[name]["ok"] for name in names) else 1
 
 
 if __name__ == "__main__":

@@ -759,7 +759,14 @@ class FTReplica:
                 f"{self.step + 1} continues another history (commit chain "
                 f"{logged.parent.hex()[:12]}, ours {self.chain.hex()[:12]})")
         grad = logged.grad.to(self._device, copy=True)  # the log keeps it; the source is reused
-        intact = self._apply_update(grad, logged.chain)
+        try:
+            intact = self._apply_update(grad, logged.chain)
+        except Exception as e:
+            raise RuntimeError(
+                f"the step function failed replaying step {self.step + 1}: it runs without "
+                "the forward and backward of that step, so it may use only the gradients, "
+                "the model, the optimizer and registered objects (a GradScaler needs "
+                "scale() called first: see docs/adopting.md)") from e
         self.objects.load_carry(logged.carry)
         self._carry = logged.carry
         self.step += 1

@@ -103,10 +103,14 @@ def divergence(job_id: str, step: int, replica_id: str) -> str:
     return f"{divergences(job_id)}{step:09d}-{check_id('replica', replica_id)}"
 
 
+def halts(job_id: str) -> str:
+    """Prefix of halted replicas (no lease: the reason outlives the process)."""
+    return f"{job(job_id)}/halted/"
+
+
 def halted(job_id: str, replica_id: str) -> str:
-    """Set by a replica that hit an error a restart cannot fix: its agent stops restarting it
-    (no lease: the reason outlives the process)."""
-    return f"{job(job_id)}/halted/{check_id('replica', replica_id)}"
+    """Set by a replica that hit an error a restart cannot fix: its agent stops restarting it."""
+    return f"{halts(job_id)}{check_id('replica', replica_id)}"
 
 
 def last_segment(key: str) -> str:

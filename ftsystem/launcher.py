@@ -75,6 +75,8 @@ class RunConfig:
     """Where results, logs and the summary go."""
     train_args: list[str] = field(default_factory=list)
     """Extra arguments for ``ftsystem.train``."""
+    replica_args: dict[int, list[str]] = field(default_factory=dict)
+    """More arguments for ``ftsystem.train`` of one replica (by index), after ``train_args``."""
     controller_ports: list[int] = field(default_factory=lambda: [0])
     """One controller instance per entry, on that REST port (0: a free one)."""
     timeout_s: float = 30.0
@@ -220,7 +222,8 @@ def agent_command(cfg: RunConfig, etcd: str, index: int, *, host: str = "127.0.0
     """The ``ftsystem agent`` command line of replica ``index`` training ``ftsystem.train``."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
     train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
-             "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args]
+             "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args,
+             *cfg.replica_args.get(index, [])]
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
                 "--nproc-per-replica", str(cfg.nproc_per_replica),
                 "--timeout", str(cfg.timeout_s), "--host", host, *kills, "--", *train)

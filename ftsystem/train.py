@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "scaler")
 
     def step_after_averaging() -> None:
+        # A replayed step ran no forward pass, so scale() never initialized the scaler.
+        scaler.scale(torch.zeros(()))
         scaler.unscale_(optimizer)
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

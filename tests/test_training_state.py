@@ -1,0 +1,119 @@
+"""The whole training state of a real loop, end to end: registered objects travel, catch-up
+replays the user's step function, divergence is found and repaired or stops the job.
+
+The loop is ``ftsystem.train``: AdamW, a warmup+cosine ``LambdaLR``, a ``GradScaler``,
+clipping of the averaged gradient, dropout, a torchdata ``StatefulDataLoader``. Real etcd,
+agents, controllers and replica processes; kills are real SIGKILLs at exact fault points.
+``state_hash`` covers parameters, optimizer state, scheduler, scaler and loader position.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import controller_process
+from ftsystem.faults import FaultPoint
+from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+
+pytestmark = pytest.mark.slow
+
+
+def _results(cfg: RunConfig) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (cfg.out_dir / "results").glob("*.json")}
+
+
+def _events(etcd_url: str, job: str, log_dir: Path) -> list[dict]:
+    """The job's events through the REST API of a controller started for the purpose."""
+    with controller_process(etcd_url, job, log_dir) as base:
+        return httpx.get(f"{base}/v1/jobs/{job}/events", timeout=10).json()["events"]
+
+
+def test_kills_in_every_phase_leave_every_replica_with_the_same_whole_state(etcd, job_id,
+                                                                           tmp_path):
+    # r1 dies between steps, r2 mid all-reduce. r0 dies the first time it serves a joiner's
+    # catch-up (the joiner must switch donors). Later r1 fails an all-reduce that the others
+    # completed, so the next epoch's sync moves state to it, and r2 (restarted) dies in that
+    # sync, or in an earlier one at or after step 290.
+    kills = [ReplicaKill(1, FaultPoint(30, "step")), ReplicaKill(2, FaultPoint(60, "allreduce")),
+             ReplicaKill(0, FaultPoint(1, "donate")),
+             ReplicaKill(1, FaultPoint(300, "fail-allreduce")),
+             ReplicaKill(2, FaultPoint(290, "sync"))]
+    cfg = RunConfig(num_replicas=3, num_steps=420, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=kills, train_args=["--sleep-per-step", "0.05", "--linger", "60"],
+                    show_progress=False)
+    summary = run_job(cfg)
+    results = _results(cfg)
+
+    assert summary["agents_ok"] and summary["replicas_finished"] == 3, summary
+    assert summary["steps"] == cfg.num_steps
+    failed = sorted((f["replica"], f["reason"]) for f in summary["failures"])
+    assert failed == [("r0", "killed by SIGKILL"), ("r1", "killed by SIGKILL"),
+                      ("r2", "killed by SIGKILL"), ("r2", "killed by SIGKILL")], failed
+    # r0 died serving a joiner: that joiner went on with another donor.
+    switched = [r for r in results.values() if len(r["catchup"].get("donors", [])) > 1]
+    assert any(r["catchup"]["donors"][0] == "r0" for r in switched), \
+        {k: r["catchup"] for k, r in results.items()}
+    # Whole state, bit for bit: parameters, AdamW, LambdaLR, GradScaler, loader position.
+    assert summary["bitwise_identical"], {k: r["state_hash"] for k, r in results.items()}
+    assert len({r["lr"] for r in results.values()}) == 1
+    assert all(not r["divergences"] for r in results.values()), \
+        {k: r["divergences"] for k, r in results.items()}
+
+
+def test_a_corrupted_replica_is_found_reported_and_repaired(etcd, job_id, tmp_path,
+                                                            monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "20")
+    cfg = RunConfig(num_replicas=3, num_steps=120, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=[ReplicaKill(1, FaultPoint(50, "corrupt"))],
+                    train_args=["--sleep-per-step", "0.02", "--linger", "30"],
+                    show_progress=False)
+    summary = run_job(cfg)
+    results = _results(cfg)
+
+    assert summary["agents_ok"] and summary["failures"] == [], summary
+    found = results["r1"]["divergences"]
+    assert [(d["step"], d["found_by"]) for d in found] == [(60, "state-digest")], found
+    assert sorted(found[0]["differs_from"]) == ["r0", "r2"]
+    assert not results["r0"]["divergences"] and not results["r2"]["divergences"]
+    # repaired: it received the majority's state in a resync epoch and trained on with it
+    assert any(e["reason"] == "resync" for e in results["r1"]["epochs"])
+    assert summary["bitwise_identical"]
+    events = _events(etcd.url, job_id, tmp_path)
+    assert [(e["kind"], e["replica"], e["step"]) for e in events] == [("divergence", "r1", 60)]
+
+
+def test_a_loop_that_forgets_its_scheduler_gets_a_divergence_report(etcd, job_id, tmp_path,
+                                                                   monkeypatch):
+    # The restarted r1 receives model and optimizer, not the scheduler it did not register:
+    # its next steps use another learning rate. The digests must name it, with the step.
+    monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "10")
+    cfg = RunConfig(num_replicas=3, num_steps=260, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=[ReplicaKill(1, FaultPoint(20, "step"))],
+                    train_args=["--sleep-per-step", "0.05", "--linger", "30",
+                                "--forget-scheduler"], show_progress=False)
+    run_job(cfg)
+    events = _events(etcd.url, job_id, tmp_path)
+    reports = [e for e in events if e["kind"] == "divergence"]
+    assert reports, events
+    assert {e["replica"] for e in reports} == {"r1"}, reports
+    assert all(e["step"] > 20 and e["step"] % 10 == 0 for e in reports), reports
+    assert all(sorted(e["differs_from"]) == ["r0", "r2"] for e in reports), reports
+
+
+def test_replicas_that_register_different_objects_halt_with_a_clear_error(etcd, job_id,
+                                                                          tmp_path):
+    cfg = RunConfig(num_replicas=2, num_steps=60, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    replica_args={1: ["--forget-scheduler"]},
+                    train_args=["--sleep-per-step", "0.02", "--linger", "10"],
+                    show_progress=False)
+    summary = run_job(cfg)
+    halts = [e for e in _events(etcd.url, job_id, tmp_path) if e["kind"] == "halt"]
+    assert len(halts) == 1, halts
+    assert "must register the same objects" in halts[0]["reason"], halts
+    assert not summary["agents_ok"]  # the halted replica's agent gave up, on purpose
+    # the other replica trained to the end
+    assert summary["steps"] == cfg.num_steps
