@@ -1,9 +1,10 @@
-"""``ftsystem bench fingerprint``: what the periodic state digest costs, as a fraction of step time.
+"""``ftsystem bench fingerprint``: what the periodic state digest costs, as a share of step time.
 
 Every ``FTSYSTEM_FINGERPRINT_EVERY`` committed steps (default 100) each replica hashes its whole
-state (parameters, AdamW's two slots, hyperparameters) with :func:`ftsystem.fingerprint.state_digest`
-and all-reduces the 16-byte digest with the other members. This bench times, for one replica built
-as ``ftsystem.train`` builds it (its defaults: batch, learning rate, dropout; one compute thread):
+state (parameters, AdamW's two slots, hyperparameters) with
+:func:`ftsystem.fingerprint.state_digest` and all-reduces the 16-byte digest with the other
+members. This bench times, for one replica built as ``ftsystem.train`` builds it (its defaults:
+batch, learning rate, dropout; one compute thread):
 
 - a training step: forward and backward on a ``MarkovLanguage`` batch, then ``optimizer.step()``;
 - the digest of ``{**local_state(model, optimizer), "step": 0}`` after the optimizer has stepped.
@@ -156,8 +157,8 @@ def fingerprint(
     report.print_table(
         f"fingerprint: state digest vs step time, one replica, {rounds} round(s)",
         ["params", "step s", "digest s", "MB", *(f"every {every}" for every in everies)],
-        [(m["num_params"], _range(m["step_s"], "{:.2g}".format), _range(m["digest_s"], "{:.2g}".format),
-          f"{m['digest_bytes'] / 1e6:.0f}",
+        [(m["num_params"], _range(m["step_s"], "{:.2g}".format),
+          _range(m["digest_s"], "{:.2g}".format), f"{m['digest_bytes'] / 1e6:.0f}",
           *(_range(m["cost_fraction"][str(every)], _percent) for every in everies))
          for m in models])
     report.write_json(out, {
