@@ -260,6 +260,7 @@ class FTReplica:
         if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             self._catch_up()
+            self._align_ranks()
         elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
         self.replica.barrier()  # the replica is ready when every rank is
@@ -639,8 +640,8 @@ class FTReplica:
         n, rank = self.ftar.world_size, self.ftar.rank
         # What this replica can donate is fixed now: the session expiry may trim the log later.
         held = self.update_log.entries()
-        row = [self.step, int(self._fresh), held[0][0] if held else -1, self._signature_word(),
-               *to_words(self.chain)]
+        row = [self.step, int(self._fresh), self._oldest_replayable(held),
+               self._signature_word(), *to_words(self.chain)]
         info = torch.zeros(n, len(row), dtype=torch.int64, device=self._device)
         info[rank] = torch.tensor(row, dtype=torch.int64)
         self.ftar.allreduce_sum(info)
@@ -667,6 +668,13 @@ class FTReplica:
         else:
             apply = self._sync_by_state(rank, donor)
         return apply if rank in receivers else None
+
+    def _oldest_replayable(self, held: list[tuple[int, LoggedUpdate]]) -> int:
+        """The oldest step this replica's log can replay from, the same on all its ranks (-1:
+        none): every shard of a replica must be synced the same way, by log or by state, as
+        replaying runs the step function on all its ranks together."""
+        (empty,) = self.replica.any(not held)
+        return -1 if empty else self.replica.max(held[0][0])
 
     def _signature_word(self) -> int:
         """What every replica must agree on, hashed: the registered objects, the interval of
@@ -795,6 +803,12 @@ class FTReplica:
 
         Runs while the members train. A donor that fails mid-transfer is replaced by the one
         the leader assigns next; with no donor at all the replica joins with a full sync.
+
+        The ranks of a replica of several catch up independently, each from the same rank of
+        the donor, so they load snapshots only: replaying runs the step function, whose
+        collectives inside the replica (the norm of a clipped FSDP gradient) need every rank
+        at the same step. The epoch's state sync then replays the rest on all ranks together
+        (see :meth:`_align_ranks`).
         """
         started, failed = time.monotonic(), set()
         stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
@@ -818,13 +832,23 @@ class FTReplica:
                             self.ctx.replica_id, donor, e)
                 failed.add(donor)
                 continue
-            if head is not None and head - self.step <= READY_LAG:
+            if head is not None and head - self.step <= READY_LAG or self.replica.size > 1:
                 break
         self._donor_addr = addr
         stats["duration_s"] = time.monotonic() - started
         metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
         log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
                  self.step, donor, stats)
+
+    def _align_ranks(self) -> None:
+        """After catch-up, the ranks of a replica hold snapshots of one step or they join
+        fresh (the epoch's state sync then sends them the whole state): a replica is
+        replayed only with all its ranks at the same step."""
+        if self.replica.size == 1:
+            return
+        (fresh,) = self.replica.any(self._fresh)
+        if fresh or self.replica.max(self.step) != -self.replica.max(-self.step):
+            self._fresh = True
 
     def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
         """Wait for the leader to name a donor (not one in ``avoid``); None: there is none.
@@ -855,7 +879,7 @@ class FTReplica:
     def _replay_from(self, addr: str) -> int | None:
         """Replay the donor's logged updates after our step; the donor's head, or None if
         they do not reach back to our step (or we have no state from this job yet)."""
-        if self._fresh:
+        if self._fresh or self.replica.size > 1:  # see _catch_up
             return None
         fetched = fetch_log(addr, self.step, self.ctx.timeout_s)
         if fetched is None:

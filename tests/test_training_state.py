@@ -32,18 +32,22 @@ def _events(etcd_url: str, job: str, log_dir: Path) -> list[dict]:
         return httpx.get(f"{base}/v1/jobs/{job}/events", timeout=10).json()["events"]
 
 
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-ranks-fsdp2"])
 def test_kills_in_every_phase_leave_every_replica_with_the_same_whole_state(etcd, job_id,
-                                                                           tmp_path):
+                                                                           tmp_path, ranks):
     # r1 dies between steps, r2 mid all-reduce. r0 dies the first time it serves a joiner's
     # catch-up (the joiner must switch donors). Later r1 fails an all-reduce that the others
     # completed, so the next epoch's sync moves state to it, and r2 (restarted) dies in that
-    # sync, or in an earlier one at or after step 290.
+    # sync, or in an earlier one at or after the step before. With 2 ranks per replica the
+    # kills hit the last rank, and its death takes the replica down.
+    late = {1: 300, 2: 200}[ranks]
     kills = [ReplicaKill(1, FaultPoint(30, "step")), ReplicaKill(2, FaultPoint(60, "allreduce")),
              ReplicaKill(0, FaultPoint(1, "donate")),
-             ReplicaKill(1, FaultPoint(300, "fail-allreduce")),
-             ReplicaKill(2, FaultPoint(290, "sync"))]
-    cfg = RunConfig(num_replicas=3, num_steps=420, etcd=etcd.url, job=job_id, out_dir=tmp_path,
-                    kills=kills, train_args=["--sleep-per-step", "0.05", "--linger", "60"],
+             ReplicaKill(1, FaultPoint(late, "fail-allreduce")),
+             ReplicaKill(2, FaultPoint(late - 10, "sync"))]
+    cfg = RunConfig(num_replicas=3, nproc_per_replica=ranks, num_steps=late + 120,
+                    etcd=etcd.url, job=job_id, out_dir=tmp_path, kills=kills,
+                    train_args=["--sleep-per-step", "0.05", "--linger", "60"],
                     show_progress=False)
     summary = run_job(cfg)
     results = _results(cfg)
