@@ -45,6 +45,9 @@ import torch
 from torchft.checkpointing.http_transport import HTTPTransport
 
 log = logging.getLogger(__name__)
+# What replicas exchange holds bytes (commit chains, serialized loop states); torch.save writes
+# an empty one as a call of ``bytes``, which weights-only loading refuses unless allowed.
+torch.serialization.add_safe_globals([bytes])
 
 ENV_IDLE_S = "FTSYSTEM_CATCHUP_IDLE_S"
 """How long a donor keeps a snapshot and a growing log for a joiner that stopped asking."""
@@ -165,6 +168,7 @@ class Snapshotter:
         self._state_fn, self._host, self._timeout = state_fn, host, timedelta(seconds=timeout_s)
         self._transport: HTTPTransport | None = None
         self._requested = threading.Event()
+        self._at_step: int | None = None
         self._ready = threading.Condition()
         self._copying: threading.Thread | None = None
         self.step = -1  # step of the snapshot being served, -1: none
@@ -175,12 +179,17 @@ class Snapshotter:
         url = urlparse(self._transport.metadata())
         return url._replace(netloc=f"{self._host}:{url.port}").geturl()
 
-    def request(self) -> None:
+    def request(self, at_step: int | None = None) -> None:
+        """Take a snapshot after the next commit, or after committing ``at_step`` exactly
+        (the ranks of a joining replica need their shards of one step)."""
+        self._at_step = at_step
         self._requested.set()
 
     def after_commit(self, step: int) -> None:
         """Called by the training thread after each commit: start a requested copy."""
         if not self._requested.is_set() or self._copying is not None:
+            return
+        if self._at_step is not None and step < self._at_step:
             return
         self._requested.clear()
         state = self._state_fn()  # references; the side thread copies them
@@ -297,7 +306,8 @@ class StateServer:
         self.update_log.session_active = True
         self._before_serving()
         if url.path == "/snapshot":
-            self._serve_snapshot(request)
+            at = parse_qs(url.query).get("step")
+            self._serve_snapshot(request, int(at[0]) if at else None)
         elif url.path == "/log":
             after = int(parse_qs(url.query).get("after", ["-1"])[0])
             self._serve_log(request, after)
@@ -305,16 +315,33 @@ class StateServer:
             request.send_error(404, "expected /snapshot, /log?after=STEP or /status")
 
     def status(self) -> dict:
-        return {"snapshot_step": self.snapshotter.step, "log_oldest": self.update_log.oldest(),
+        return {"step": self._current_step(), "snapshot_step": self.snapshotter.step,
+                "log_oldest": self.update_log.oldest(),
                 "log_bytes": self.update_log.nbytes, "bytes_served": self.bytes_served,
                 "session_active": self.update_log.session_active}
 
-    def _serve_snapshot(self, request: BaseHTTPRequestHandler) -> None:
+    def _serve_snapshot(self, request: BaseHTTPRequestHandler, at_step: int | None) -> None:
+        if at_step is not None:
+            self._serve_snapshot_of(request, at_step)
+            return
         if self.snapshotter.step < 0:
             self.snapshotter.request()
         step = self.snapshotter.wait_newer(-1, self._timeout_s)
         if step < 0:
             request.send_error(503, "no snapshot within the timeout (is this replica training?)")
+            return
+        _reply(request, json.dumps({"step": step, "address": self.snapshotter.address}).encode())
+
+    def _serve_snapshot_of(self, request: BaseHTTPRequestHandler, step: int) -> None:
+        """A snapshot taken right after committing ``step`` (which is still to come)."""
+        if self.snapshotter.step != step:
+            if self._current_step() >= step:
+                request.send_error(409, f"step {step} is committed already; ask for a later one")
+                return
+            self.snapshotter.request(at_step=step)
+        taken = self.snapshotter.wait_newer(step - 1, self._timeout_s)
+        if taken != step:
+            request.send_error(409, f"took a snapshot of step {taken}, not {step}")
             return
         _reply(request, json.dumps({"step": step, "address": self.snapshotter.address}).encode())
 
@@ -360,9 +387,12 @@ def _get(url: str, timeout_s: float) -> bytes:
         raise DonorUnavailableError(f"{url}: {e}") from e
 
 
-def fetch_snapshot(donor_addr: str, timeout_s: float) -> tuple[int, dict, int]:
-    """Ask the donor for a snapshot; returns (step, state, bytes) once transferred."""
-    info = json.loads(_get(f"http://{donor_addr}/snapshot", timeout_s))
+def fetch_snapshot(donor_addr: str, timeout_s: float, at_step: int | None = None
+                   ) -> tuple[int, dict, int]:
+    """Ask the donor for a snapshot (of step ``at_step``, still to come, if given); returns
+    (step, state, bytes) once transferred."""
+    query = "" if at_step is None else f"?step={at_step}"
+    info = json.loads(_get(f"http://{donor_addr}/snapshot{query}", timeout_s))
     transport = HTTPTransport(timedelta(seconds=timeout_s), num_chunks=0)
     try:
         state = transport.recv_checkpoint(0, info["address"], info["step"],
@@ -373,6 +403,11 @@ def fetch_snapshot(donor_addr: str, timeout_s: float) -> tuple[int, dict, int]:
         transport.shutdown(wait=False)
     nbytes = sum(t.numel() * t.element_size() for t in tree_tensors(state))
     return info["step"], state, nbytes
+
+
+def fetch_head(donor_addr: str, timeout_s: float) -> int:
+    """The donor's committed step."""
+    return json.loads(_get(f"http://{donor_addr}/status", timeout_s))["step"]
 
 
 def fetch_log(donor_addr: str, after: int, timeout_s: float

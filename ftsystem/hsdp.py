@@ -41,7 +41,8 @@ from torch import nn
 
 from ftsystem import keys, metrics
 from ftsystem.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
-                              Snapshotter, StateServer, UpdateLog, fetch_log, fetch_snapshot)
+                              Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
+                              fetch_snapshot)
 from ftsystem.checkpoint import Checkpointer, TrainingState
 from ftsystem.faults import FaultSchedule, InjectedFault
 from ftsystem.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05
 READY_LAG = 2
 """A joiner asks to join once it is this many steps (or fewer) behind its donor."""
+SNAPSHOT_LEAD = 2
+"""The ranks of a joiner ask for snapshots of a step this far ahead of the donor's head."""
 ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
 ENV_CATCHUP_MODE = "FTSYSTEM_CATCHUP"
 """``nonblocking`` (default): catch up from a donor while the others train; ``blocking``:
@@ -259,8 +262,7 @@ class FTReplica:
         (stopped,) = self.replica.any(not running)
         if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
-            self._catch_up()
-            self._align_ranks()
+            self._catch_up() if self.replica.size == 1 else self._catch_up_ranks()
         elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
         self.replica.barrier()  # the replica is ready when every rank is
@@ -587,10 +589,14 @@ class FTReplica:
         try:
             while True:
                 epoch = self._wait_member_epoch(max(newer_than, at_least - 1))
+                # What this replica can donate is fixed now: the session expiry may trim the
+                # log later. Agreed by its ranks here, where all of them are in every attempt.
+                held = self.update_log.entries()
+                oldest = self._oldest_replayable(held)
                 staged, error = None, None
                 try:
                     self.ftar.configure(epoch)
-                    staged = self._stage_sync()
+                    staged = self._stage_sync(held, oldest)
                 except (EpochChanged, CollectiveFailed) as e:
                     error = e
                 verdict = self._vote(error, epoch.number, replaced=staged is not None)
@@ -625,7 +631,8 @@ class FTReplica:
                 raise ReplicaEvictedError(f"replica {me} was removed in epoch {epoch.number}")
             newer_than = epoch.number  # paused, or a join that does not include us yet
 
-    def _stage_sync(self) -> Callable[[], None] | None:
+    def _stage_sync(self, held: list[tuple[int, LoggedUpdate]], oldest_held: int
+                    ) -> Callable[[], None] | None:
         """Compare committed steps and commit chains with the other members; bring the ones
         behind (or on another history) up to date.
 
@@ -638,10 +645,8 @@ class FTReplica:
         together or none does.
         """
         n, rank = self.ftar.world_size, self.ftar.rank
-        # What this replica can donate is fixed now: the session expiry may trim the log later.
-        held = self.update_log.entries()
-        row = [self.step, int(self._fresh), self._oldest_replayable(held),
-               self._signature_word(), *to_words(self.chain)]
+        row = [self.step, int(self._fresh), oldest_held, self._signature_word(),
+               *to_words(self.chain)]
         info = torch.zeros(n, len(row), dtype=torch.int64, device=self._device)
         info[rank] = torch.tensor(row, dtype=torch.int64)
         self.ftar.allreduce_sum(info)
@@ -803,12 +808,6 @@ class FTReplica:
 
         Runs while the members train. A donor that fails mid-transfer is replaced by the one
         the leader assigns next; with no donor at all the replica joins with a full sync.
-
-        The ranks of a replica of several catch up independently, each from the same rank of
-        the donor, so they load snapshots only: replaying runs the step function, whose
-        collectives inside the replica (the norm of a clipped FSDP gradient) need every rank
-        at the same step. The epoch's state sync then replays the rest on all ranks together
-        (see :meth:`_align_ranks`).
         """
         started, failed = time.monotonic(), set()
         stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
@@ -832,7 +831,7 @@ class FTReplica:
                             self.ctx.replica_id, donor, e)
                 failed.add(donor)
                 continue
-            if head is not None and head - self.step <= READY_LAG or self.replica.size > 1:
+            if head is not None and head - self.step <= READY_LAG:
                 break
         self._donor_addr = addr
         stats["duration_s"] = time.monotonic() - started
@@ -840,15 +839,49 @@ class FTReplica:
         log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
                  self.step, donor, stats)
 
-    def _align_ranks(self) -> None:
-        """After catch-up, the ranks of a replica hold snapshots of one step or they join
-        fresh (the epoch's state sync then sends them the whole state): a replica is
-        replayed only with all its ranks at the same step."""
-        if self.replica.size == 1:
+    def _catch_up_ranks(self) -> None:
+        """Catch-up of a replica of several ranks: each rank fetches a snapshot of its shard
+        from the same rank of the donor, all of one step the ranks agree on (a little ahead of
+        the donor's head: each donor rank copies its shard right after committing it). They
+        load them only if every rank got its own; otherwise none does, and the replica joins
+        fresh (the epoch's state sync then sends it the whole state, while the members wait).
+
+        The ranks never replay on their own: replaying runs the step function, whose
+        collectives inside the replica (the norm of a clipped FSDP gradient) need every rank at
+        the same step. The epoch's state sync replays the rest on all ranks together.
+        """
+        started = time.monotonic()
+        stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
+        step, state, head = -1, None, -1
+        donor, addr = self._assigned_donor(avoid=set())
+        try:
+            if donor is not None:
+                stats["donors"].append(donor)
+                head = fetch_head(addr, self.ctx.timeout_s)
+        except DonorUnavailableError as e:
+            log.warning("replica %s rank %d: donor %s failed (%s)", self.ctx.replica_id,
+                        self.ctx.local_rank, donor, e)
+        target = self.replica.max(head) + SNAPSHOT_LEAD  # every rank, whatever happened
+        try:
+            if head >= 0:
+                step, state, stats["bytes"] = fetch_snapshot(addr, self.ctx.timeout_s,
+                                                             at_step=target)
+        except DonorUnavailableError as e:
+            log.warning("replica %s rank %d: no snapshot of step %d from %s (%s)",
+                        self.ctx.replica_id, self.ctx.local_rank, target, donor, e)
+        (missing,) = self.replica.any(state is None)
+        if missing or self.replica.max(step) != -self.replica.max(-step):
+            log.info("replica %s: its ranks got no snapshots of one step (rank %d: %d); "
+                     "joining with a full state sync", self.ctx.replica_id,
+                     self.ctx.local_rank, step)
             return
-        (fresh,) = self.replica.any(self._fresh)
-        if fresh or self.replica.max(self.step) != -self.replica.max(-self.step):
-            self._fresh = True
+        self._load(state)
+        self._fresh = False
+        stats.update(snapshot_step=step, duration_s=time.monotonic() - started)
+        metrics.CATCHUP_BYTES.labels(*self._labels).inc(stats["bytes"])
+        metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
+        log.info("replica %s rank %d loaded %s's snapshot of step %d", self.ctx.replica_id,
+                 self.ctx.local_rank, donor, step)
 
     def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
         """Wait for the leader to name a donor (not one in ``avoid``); None: there is none.
@@ -879,7 +912,7 @@ class FTReplica:
     def _replay_from(self, addr: str) -> int | None:
         """Replay the donor's logged updates after our step; the donor's head, or None if
         they do not reach back to our step (or we have no state from this job yet)."""
-        if self._fresh or self.replica.size > 1:  # see _catch_up
+        if self._fresh:
             return None
         fetched = fetch_log(addr, self.step, self.ctx.timeout_s)
         if fetched is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import hashlib
 import json
 import math
@@ -27,14 +28,16 @@ import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ftsystem.devices import local_device
 from ftsystem.hsdp import FTReplica
 from ftsystem.replica_group import init_replica_group
+from ftsystem.replicated import Batches
 from ftsystem.workload import MarkovBatches, MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 EVAL_SHARD = -1  # a shard no replica trains on
@@ -62,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra seconds per step, to emulate a slower accelerator")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="all-reduce gradient buckets during backward (auto: on GPU only)")
+    p.add_argument("--loop", choices=("real", "plain"), default="real",
+                   help="real: the loop above; plain: the minimal one (optimizer.step() after "
+                        "averaging, batches by step; no scheduler, scaler, clipping, dropout "
+                        "or loader), as the benchmarks' baselines run it")
     p.add_argument("--forget-scheduler", action="store_true",
                    help="a bug on purpose: do not register the LR scheduler (the replicas' "
                         "states then diverge after a restart, and the digests must say so)")
@@ -86,21 +93,46 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    if args.loop == "plain":
+        args.amp, args.clip, args.dropout = "off", 0.0, 0.0
     cfg = ModelConfig.for_params(args.model_params) if args.model_params else ModelConfig()
     cfg.dropout = args.dropout
-    model = TinyGPT(cfg)
-    ranks = init_replica_group()
+    ranks = init_replica_group()  # also makes this rank's device current
+    device = local_device()
+    model = TinyGPT(cfg).to(device)
     if ranks > 1:
         shard_model(model)
     language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "scaler")
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    if args.loop == "plain":
+        ft = FTReplica(model, optimizer, overlap=overlap)
+        shard = args.data_shard * ft.ctx.local_world_size + ft.ctx.local_rank
+        batches = (language.batch(shard=shard, step=ft.step, batch_size=args.batch_size,
+                                  seq_len=cfg.seq_len) for _ in itertools.count())
+    else:
+        ft, batches = real_loop(model, optimizer, scaler, language, args, device, overlap)
+    try:
+        ft.start()
+        loss = train(ft, model, batches, scaler, args, device)
+        ft.finish(args.linger)
+        write_result(ft, model, language, args, loss)
+    finally:
+        ft.close()
+
+
+def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
+              scaler: torch.amp.GradScaler, language: MarkovLanguage,
+              args: argparse.Namespace, device: torch.device, overlap: bool | None
+              ) -> tuple[FTReplica, Batches]:
+    """The replica of a real loop: a step function after averaging, everything registered."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup,
                                                                            args.steps))
-    scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "scaler")
 
     def step_after_averaging() -> None:
         # A replayed step ran no forward pass, so scale() never initialized the scaler.
-        scaler.scale(torch.zeros(()))
+        scaler.scale(torch.zeros((), device=device))
         scaler.unscale_(optimizer)
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -108,19 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         scaler.update()
         scheduler.step()
 
-    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap)
     if not args.forget_scheduler:
         ft.register("lr_schedule", scheduler)
     ft.register("grad_scaler", scaler)
-    batches = ft.register_data("data", data_loader(language, model.cfg, args, ft))
-    try:
-        ft.start()
-        loss = train(ft, model, batches, scaler, args)
-        ft.finish(args.linger)
-        write_result(ft, model, language, args, loss)
-    finally:
-        ft.close()
+    return ft, ft.register_data("data", data_loader(language, model.cfg, args, ft))
 
 
 def data_loader(language: MarkovLanguage, cfg: ModelConfig, args: argparse.Namespace,
@@ -141,15 +165,16 @@ def shard_model(model: TinyGPT) -> None:
     fully_shard(model)
 
 
-def train(ft: FTReplica, model: TinyGPT, batches, scaler: torch.amp.GradScaler,
-          args: argparse.Namespace) -> float | None:
+def train(ft: FTReplica, model: TinyGPT, batches: Iterator[torch.Tensor],
+          scaler: torch.amp.GradScaler, args: argparse.Namespace, device: torch.device
+          ) -> float | None:
     loss = None  # a replica that joins at the last step commits nothing itself
     progress = _progress_file(ft, args)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.amp == "bf16" \
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16" \
         else contextlib.nullcontext()
     model.train()
     while ft.step < args.steps:
-        batch = next(batches)
+        batch = next(batches).to(device)
         with autocast:
             step_loss = model.loss(batch)
         scaler.scale(step_loss).backward()
@@ -177,6 +202,7 @@ def _progress_file(ft: FTReplica, args: argparse.Namespace) -> int | None:
 
 def eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:
     batch = language.batch(shard=EVAL_SHARD, step=0, batch_size=64, seq_len=model.cfg.seq_len)
+    batch = batch.to(model.tok.weight.device)
     was_training = model.training
     model.eval()
     try:

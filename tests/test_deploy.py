@@ -39,7 +39,7 @@ K8S = DOCKER / "k8s"
 TARGETS = {"controller": ["ftsystem", "controller"], "agent": ["ftsystem", "agent"],
            "worker": ["ftsystem"]}
 """Each image target and the entrypoint it must have."""
-CONTROLLER_LEAVES_OUT = {"torch", "torchft"}
+CONTROLLER_LEAVES_OUT = {"torch", "torchft", "torchdata"}
 API_VERSIONS = {"Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "StatefulSet": "apps/v1",
                 "Deployment": "apps/v1", "Job": "batch/v1", "PodDisruptionBudget": "policy/v1"}
 POD_FIELDS = {"metadata.name": "ftsystem-controller-7d4b9c8f6d-x2x7k", "status.podIP": "10.1.2.3"}

@@ -283,7 +283,8 @@ def _run_both(spec: ChaosSpec, plan: list[dict], *, replicas: int, duration_s: f
         typer.echo(f"ftsystem: {steps} steps under the same {len(plan)} faults ...", err=True)
         ours = run_ftsystem(spec=spec, first_offset_s=plan[0]["at_s"] if plan else 0.0,
                             num_replicas=replicas, duration_s=duration_s, timeout_s=timeout_s,
-                            num_steps=steps, netns=netns, train_args=train_args,
+                            num_steps=steps, netns=netns,
+                            train_args=[*train_args, "--loop", "plain"],
                             workdir=root / "ftsystem")
     return ours, theirs
 

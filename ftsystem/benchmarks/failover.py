@@ -52,7 +52,7 @@ def run_ftsystem(*, num_replicas: int, num_failures: int, steps: int, kill_inter
         cfg = RunConfig(num_replicas=num_replicas, num_steps=steps, etcd=etcd.url,
                         job="failover", out_dir=workdir / "run", show_progress=False,
                         train_args=["--sleep-per-step", str(sleep_per_step),
-                                    "--model-params", str(model_params)])
+                                    "--model-params", str(model_params), "--loop", "plain"])
         summaries: list[dict] = []
         runner = threading.Thread(target=lambda: summaries.append(run_job(cfg)), daemon=True)
         runner.start()

@@ -207,7 +207,7 @@ def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
 
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
                   "--lr", str(LEARNING_RATE), "--seed", str(SEED),
-                  "--overlap", overlap]
+                  "--overlap", overlap, "--loop", "plain"]
     cfg = RunConfig(num_replicas=replicas, num_steps=steps, job="overhead",
                     out_dir=workdir, train_args=train_args, show_progress=False)
     summary = run_job(cfg)

@@ -57,7 +57,7 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
     """Two members via ``run_job``; a third agent launched once they are warm."""
     os.environ["FTSYSTEM_CATCHUP"] = mode  # inherited by every replica
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
-                  "--lr", str(LR), "--sleep-per-step", str(sleep)]
+                  "--lr", str(LR), "--sleep-per-step", str(sleep), "--loop", "plain"]
     with EmbeddedEtcd(data_dir=workdir / "etcd") as etcd:
         cfg = RunConfig(num_replicas=2, num_steps=steps, etcd=etcd.url, job="rejoin",
                         out_dir=workdir / "run", train_args=train_args, show_progress=False)
