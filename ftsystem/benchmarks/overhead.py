@@ -1,7 +1,7 @@
 """``ftsystem bench overhead``: steady-state throughput without failures, against plain DDP.
 
 For each model size, one invocation trains the same model on the same data with the same batch,
-optimizer and number of replicas (one process each, one compute thread each) on four systems:
+optimizer and number of replicas (one process each, one compute thread each) on these systems:
 
 - ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, one process per
   rank;
@@ -10,7 +10,13 @@ optimizer and number of replicas (one process each, one compute thread each) on 
 - ``ftsystem-overlap``: the same with ``--overlap on`` at every size: gradient buckets
   all-reduced during backward instead of one all-reduce after it, to show what the overlap is
   worth where it is off by default;
+- ``ftsystem-digest10``: the same as ``ftsystem`` with the replicas' state digests compared
+  every 10 steps, ten times as often as by default, to show what divergence detection costs
+  (``ftsystem bench fingerprint`` times the digest alone);
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
+
+Every system runs the same minimal loop (``ftsystem.train --loop plain``: averaged gradients,
+then ``optimizer.step()``), as the baselines do.
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
 ``warmup`` commits (start-up, first allocations) and up to the last one; the job's figure is the
@@ -35,7 +41,12 @@ import typer
 from ftsystem import report
 from ftsystem.cli import bench_app
 
-SYSTEMS = ("ddp", "ftsystem", "ftsystem-overlap", "torchft")
+ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"  # ftsystem.hsdp's; not imported: torch
+
+SYSTEMS = ("ddp", "ftsystem", "ftsystem-overlap", "ftsystem-digest10", "torchft")
+DIGEST_STRESS_EVERY = 10
+"""``ftsystem-digest10`` compares state digests every this many steps, 10 times the default
+(``FTSYSTEM_FINGERPRINT_EVERY``): the runs are too short for a digest at the default."""
 DEFAULT_SIZES = "10M,100M"
 QUICK_SIZES = "100K"
 QUICK_STEPS = 20
@@ -200,7 +211,7 @@ def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
 # --- ftsystem and torchft -------------------------------------------------------------------------
 
 def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
-                 overlap: str = "auto") -> list[list]:
+                 overlap: str = "auto", fingerprint_every: int | None = None) -> list[list]:
     """``run_job`` without failures; returns each replica's commit timeline."""
     from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
     from ftsystem.launcher import RunConfig, run_job
@@ -210,7 +221,16 @@ def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
                   "--overlap", overlap, "--loop", "plain"]
     cfg = RunConfig(num_replicas=replicas, num_steps=steps, job="overhead",
                     out_dir=workdir, train_args=train_args, show_progress=False)
-    summary = run_job(cfg)
+    saved = os.environ.get(ENV_FINGERPRINT_EVERY)
+    if fingerprint_every is not None:  # the agents pass it on to the replicas
+        os.environ[ENV_FINGERPRINT_EVERY] = str(fingerprint_every)
+    try:
+        summary = run_job(cfg)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_FINGERPRINT_EVERY, None)
+        else:
+            os.environ[ENV_FINGERPRINT_EVERY] = saved
     if not summary["agents_ok"] or summary["steps"] != steps:
         raise RuntimeError(f"ftsystem run failed ({summary['steps']} of {steps} steps); "
                            f"see the logs in {workdir}")
@@ -232,6 +252,8 @@ def run_torchft(*, params: int, steps: int, replicas: int, workdir: Path) -> lis
 
 RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
            "ftsystem-overlap": functools.partial(run_ftsystem, overlap="on"),
+           "ftsystem-digest10": functools.partial(run_ftsystem,
+                                                  fingerprint_every=DIGEST_STRESS_EVERY),
            "torchft": run_torchft}
 
 
