@@ -253,4 +253,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # ``python -m ftsystem.cli`` runs this file as ``__main__``, a second module beside the
+    # ``ftsystem.cli`` the sub-command modules above register on: run that one's app.
+    from ftsystem.cli import main as registered_main
+    registered_main()

@@ -11,8 +11,10 @@ import pytest
 from ftsystem.chaos import parse_specs
 from ftsystem.checkpoint import Checkpointer
 from ftsystem.launcher import RunConfig, run_job
+from ftsystem.train import parse_args, warmup_cosine
 
 EVERY = 10
+TRAIN_DEFAULTS = parse_args([])
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-ranks-fsdp2"])
@@ -44,4 +46,9 @@ def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_pat
         assert result["generation"] == 1
         assert result["commits"][0][0] > min(resumed), result["commits"][:3]
     assert summary["steps"] == 150 and summary["bitwise_identical"] and summary["agents_ok"]
+    # The checkpoint held the LR schedule too: it ends where 150 uninterrupted steps end it,
+    # not where a schedule restarted at the checkpoint's step would be.
+    full_schedule = warmup_cosine(TRAIN_DEFAULTS.warmup, 150)(150) * TRAIN_DEFAULTS.lr
+    assert all(r["lr"] == pytest.approx(full_schedule) for r in results.values()), \
+        {k: r["lr"] for k, r in results.items()}
     assert Checkpointer(cfg.out_dir / "checkpoints", EVERY).latest_complete() >= 140
