@@ -44,6 +44,8 @@ from urllib.parse import parse_qs, urlparse
 import torch
 from torchft.checkpointing.http_transport import HTTPTransport
 
+from ftsystem.devices import cuda_device_of, use_device
+
 log = logging.getLogger(__name__)
 # What replicas exchange holds bytes (commit chains, serialized loop states); torch.save writes
 # an empty one as a call of ``bytes``, which weights-only loading refuses unless allowed.
@@ -204,7 +206,6 @@ class Snapshotter:
             self._copying = None
 
     def _copy(self, step: int, state: dict) -> None:
-        from ftsystem.devices import cuda_device_of, use_device
         # This thread starts on cuda:0: the copy's streams belong on the state's GPU.
         use_device(cuda_device_of(tree_tensors(state)))
         copy = host_copy(state)

@@ -262,7 +262,10 @@ class FTReplica:
         (stopped,) = self.replica.any(not running)
         if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
-            self._catch_up() if self.replica.size == 1 else self._catch_up_ranks()
+            if self.replica.size == 1:
+                self._catch_up()
+            else:
+                self._catch_up_ranks()
         elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
         self.replica.barrier()  # the replica is ready when every rank is
