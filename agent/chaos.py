@@ -15,7 +15,7 @@ import os
 import signal
 from typing import Callable
 
-from ftsystem.chaos import Order, slow_pattern
+from ftsystem.chaos import REPLICA_ACTIONS, Order, slow_pattern
 from ftsystem.chaos_executor import ChaosActionError, OrderExecutor
 from ftsystem.netns import ENV_NETNS, NetnsError, set_link
 from ftsystem.procs import signal_group
@@ -23,8 +23,12 @@ from ftsystem.store import Store
 
 
 def replica_executor(store: Store, job: str, replica_id: str,
-                     running_pids: Callable[[], list[int]]) -> OrderExecutor:
-    """The executor of ``replica_id``'s orders; ``running_pids`` gives its process groups."""
+                     running_pids: Callable[[], list[int]],
+                     mine: Callable[[], bool] = lambda: True) -> OrderExecutor:
+    """The executor of ``replica_id``'s orders; ``running_pids`` gives its process groups.
+    Of a replica's agents, the one ``mine()`` is true for acts (node rank 0): killing or
+    cutting off one node takes the whole replica down (host orders, to one node, are
+    ``ftsystem run``'s)."""
 
     async def act(order: Order) -> str:
         if order.action == "partition":
@@ -34,7 +38,9 @@ def replica_executor(store: Store, job: str, replica_id: str,
             raise ChaosActionError("replica not running (restarting or finished)")
         return await _signal_action(order, pids)
 
-    return OrderExecutor(store, job, mine=lambda order: order.replica == replica_id, act=act)
+    return OrderExecutor(store, job, mine=lambda order: order.action in REPLICA_ACTIONS and
+                         order.replica == replica_id and mine(),
+                         act=act)
 
 
 async def _signal_action(order: Order, pids: list[int]) -> str:

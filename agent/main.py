@@ -10,5 +10,6 @@ from agent.supervisor import Agent, AgentConfig
 
 def run_agent(cfg: AgentConfig) -> int:
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s agent[{cfg.replica_id}] %(message)s")
+                        format=f"%(asctime)s agent[{cfg.replica_id}/"
+                               f"{'spare' if cfg.node_rank is None else cfg.node_rank}] %(message)s")
     return asyncio.run(Agent(cfg).run())

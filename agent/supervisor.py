@@ -1,10 +1,18 @@
-"""The node agent: launches one replica's processes, holds its lease, restarts it on failure.
+"""The node agent: launches its node's ranks of one replica, and restarts the replica with the
+replica's other agents when any part of it fails.
 
-Detection is the fast path of the design: the moment any process of the replica exits (or its
-step watchdog fires) the agent revokes the replica's lease, which deletes its registration and
-lets the controller publish the epoch without it within milliseconds. Then it kills the rest of
-the replica and restarts it with backoff as generation + 1. Children run in their own sessions
-with a parent-death signal, so neither a Ctrl-C nor a SIGKILL of the agent leaves orphans.
+A replica runs on ``--nodes`` nodes with one agent each (``agent.rendezvous``: the agents meet
+in etcd and agree on each generation). Detection is the fast path of the design: the moment a
+process of the replica exits, its watchdog fires, or a peer node falls silent
+(``agent.pulse``), the agent that noticed revokes the replica's lease, which deletes its
+registration and lets the controller publish the epoch without it within milliseconds. Then
+every agent of the replica stops its ranks, and the replica restarts as generation + 1, with
+backoff, once all its nodes are back. Children run in their own sessions with a parent-death
+signal, so neither a Ctrl-C nor a SIGKILL of the agent leaves orphans.
+
+An etcd outage is not a failure: ranks keep training, keep-alives keep trying, and a lease the
+outage outlived is replaced (and the replica's rank 0 told through the lease file) instead of
+the replica being restarted. A failure during the outage is acted on once etcd is back.
 
 GPUs follow torchrun's convention: every rank sees the node's GPUs and rank k uses cuda:k
 (``ftsystem.devices.local_device``). Started with ``--gpus``, the agent instead lets rank k see
@@ -16,30 +24,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
 
 from agent.chaos import replica_executor
+from agent.pulse import DONE, ENDED, Pulse
+from agent.rendezvous import (Generation, Layout, Rendezvous, RendezvousError, rank_env,
+                              replica_env)
+from agent.slot import NodeSlot
 from ftsystem import keys, metrics, runtime
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.procs import die_with_parent, signal_group
 from ftsystem.runtime import DEFAULT_TIMEOUT_S
-from ftsystem.store import HeldKey, Store, StoreError
+from ftsystem.store import LeaseLostError, Store, StoreUnavailableError
 from ftsystem.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 ENV_VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
 
 
 EXIT_HALTED = 3
 """The agent's exit status when its replica halted (``keys.halted``): a divergence with no
 majority, replicas that register different objects."""
+EXIT_BAD_INPUT = 2
+"""The agent's exit status when its flags contradict the job or its replica (nothing ran)."""
+REPLICA_KEEPALIVE_S = 0.5
+"""The replica lease is renewed this often (once per replica, not per node), so that the leader
+can tell a dead replica by a lease not renewed for a second (``controller.leader``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,14 +70,23 @@ class AgentConfig:
     job: str
     """The job the replica belongs to."""
     replica_id: str
-    """The replica this agent supervises."""
+    """The replica this agent supervises a node of."""
     command: list[str]
-    """The replica's program; run once per rank."""
-    num_procs: int = 1
-    """Ranks per replica (``--nproc-per-replica``)."""
+    """The replica's program; run once per rank of this node."""
+    node_rank: int | None = 0
+    """This node's place in the replica (torchrun's ``GROUP_RANK``); None for a spare, which
+    takes the first node rank that falls free."""
+    nodes: int = 1
+    """Nodes per replica (``--nodes``)."""
+    nproc_per_node: int = 1
+    """Ranks on this node (``--nproc-per-node``)."""
+    node_id: str = field(default_factory=socket.gethostname)
+    """The machine: an agent restarted on the same one takes its node rank back at once."""
     lease_ttl_s: int = Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
-    """Replica lease TTL: the slow path that covers a dead host or a partition (the CLI
-    derives it from ``--timeout``, see ``ftsystem.timeouts``)."""
+    """Lease TTL of the node and of the replica: the slow path that covers what pulses and
+    process exits do not (the CLI derives it from ``--timeout``, see ``ftsystem.timeouts``)."""
+    peer_timeout_s: float = 1.0
+    """A peer node silent this long is dead or cut off: the replica restarts."""
     max_restarts: int = 20
     """Restarts before the agent gives up on the replica."""
     backoff_s: float = 0.5
@@ -71,10 +101,14 @@ class AgentConfig:
     kill_at: list[FaultPoint] = field(default_factory=list)
     """Fault injection: kill the replica when it reaches these steps (``--kill-at``)."""
     host: str = "127.0.0.1"
-    """Address other replicas use to reach this one."""
+    """Address other nodes and replicas use to reach this node."""
     gpus: list[str] = field(default_factory=list)
     """One GPU per rank (``--gpus 0,1``, as ``CUDA_VISIBLE_DEVICES`` names them): rank k sees
     only ``gpus[k]``. Empty: every rank sees all of the node's GPUs and uses cuda:LOCAL_RANK."""
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.nodes, self.nproc_per_node)
 
 
 @dataclass(slots=True)
@@ -88,28 +122,49 @@ class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         keys.check_id("job", cfg.job)
         keys.check_id("replica", cfg.replica_id)
+        if cfg.nodes < 1 or cfg.nproc_per_node < 1:
+            raise ValueError("--nodes and --nproc-per-node must be at least 1")
         self.cfg = cfg
-        self.gpu_envs = gpu_env_per_rank(cfg.gpus, cfg.num_procs)
-        if len(cfg.gpus) > cfg.num_procs:
+        self.gpu_envs = gpu_env_per_rank(cfg.gpus, cfg.nproc_per_node)
+        if len(cfg.gpus) > cfg.nproc_per_node:
             log.warning("--gpus lists %d GPUs for %d ranks: %s stay unused", len(cfg.gpus),
-                        cfg.num_procs, ",".join(cfg.gpus[cfg.num_procs:]))
+                        cfg.nproc_per_node, ",".join(cfg.gpus[cfg.nproc_per_node:]))
+        self.uid = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.store = Store(cfg.etcd)
+        self.rendezvous = Rendezvous(self.store, cfg.job, cfg.replica_id, cfg.layout)
+        self.pulse = Pulse(self.uid, cfg.host, cfg.peer_timeout_s)
         self.stop_requested = asyncio.Event()
         self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
+        self.lease_file = self.workdir / "replica-lease"
         self.children: list[asyncio.subprocess.Process] = []
-        self.generation = 0
-        self.record = HeldKey(self.store, keys.agent(cfg.job, cfg.replica_id), cfg.lease_ttl_s)
         self.metrics_addr = metrics.serve(cfg.host)
+        self.spec: dict | None = None
+        self.slot: NodeSlot | None = None
 
     async def run(self) -> int:
-        """Supervise until the replica finishes (0), gives up (1) or is told to stop (130)."""
+        """Supervise until the replica finishes (0), gives up (1), is refused (2), halts (3)
+        or is told to stop (130)."""
         await self.store.connect()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
-        await self.record.set(self._record_value())
-        chaos = replica_executor(self.store, self.cfg.job, self.cfg.replica_id, self._running_pids)
-        background = [asyncio.create_task(self.record.hold()), asyncio.create_task(chaos.run())]
+        try:
+            self.spec = await self.rendezvous.check(self.cfg.node_rank)
+            pulse_addr = await self.pulse.start()
+            self.slot = NodeSlot(self.store, self.rendezvous, self.cfg.lease_ttl_s, {
+                "uid": self.uid, "node_id": self.cfg.node_id, "host": self.cfg.host,
+                "pid": os.getpid(), "pulse_addr": pulse_addr, "metrics_addr": self.metrics_addr})
+            if self.cfg.node_rank is None:
+                await self.slot.claim_free()
+            else:
+                await self.slot.claim(self.cfg.node_rank)
+        except RendezvousError as e:
+            log.error("%s", e)
+            await self.store.close()
+            return EXIT_BAD_INPUT
+        chaos = replica_executor(self.store, self.cfg.job, self.cfg.replica_id,
+                                 self._running_pids, mine=lambda: self.slot.node_rank == 0)
+        background = [asyncio.create_task(self.slot.hold()), asyncio.create_task(chaos.run())]
         try:
             return await self._supervise()
         finally:
@@ -117,36 +172,41 @@ class Agent:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self.slot.release()
+            self.pulse.close()
             await self.store.close()
+
+    @property
+    def node_rank(self) -> int:
+        return self.slot.node_rank
 
     def _running_pids(self) -> list[int]:
         return [c.pid for c in self.children if c.returncode is None]
 
-    def _record_value(self) -> dict:
-        return {"host": self.cfg.host, "pid": os.getpid(), "generation": self.generation,
-                "metrics_addr": self.metrics_addr}
-
     async def _supervise(self) -> int:
-        backoff = self.cfg.backoff_s
-        for generation in range(self.cfg.max_restarts + 1):
-            self.generation = generation
-            await self.record.set(self._record_value())
+        backoff, last = self.cfg.backoff_s, -1
+        for _ in range(self.cfg.max_restarts + 1):
+            generation = await self._unless_stopped(
+                self._until_etcd_back(lambda: self._next_generation(last)))
+            if generation is None:
+                return 130
+            last = generation.number
             started = time.monotonic()
             outcome = await self._run_generation(generation)
             if outcome.success:
                 return 0
             if self.stop_requested.is_set():
                 return 130
-            await self._record_failure(generation, outcome)
-            halted = await self.store.get_json(keys.halted(self.cfg.job, self.cfg.replica_id))
+            halted = await self._until_etcd_back(
+                lambda: self.store.get_json(keys.halted(self.cfg.job, self.cfg.replica_id)))
             if halted is not None:  # the replica found an error no restart can fix
                 log.error("replica %s halted at step %s, not restarting it: %s",
                           self.cfg.replica_id, halted.get("step"), halted.get("reason"))
                 return EXIT_HALTED
             # A replica that ran a while before failing gets the short backoff again.
             backoff = self.cfg.backoff_s if time.monotonic() - started > 30 else backoff
-            log.warning("replica %s generation %d failed (%s); restarting in %.1fs",
-                        self.cfg.replica_id, generation, outcome.reason, backoff)
+            log.warning("replica %s generation %d ended (%s); restarting in %.1fs",
+                        self.cfg.replica_id, generation.number, outcome.reason, backoff)
             try:
                 await asyncio.wait_for(self.stop_requested.wait(), backoff)
                 return 130
@@ -156,76 +216,175 @@ class Agent:
                   self.cfg.max_restarts)
         return 1
 
+    async def _until_etcd_back(self, op: Callable[[], Awaitable[T]]) -> T | None:
+        """``op()``, retried across an etcd outage however long; tried once more, then None,
+        once the agent is told to stop."""
+        while True:
+            try:
+                return await op()
+            except StoreUnavailableError as e:
+                if self.stop_requested.is_set():
+                    log.warning("%s; stopping anyway", e)
+                    return None
+                log.warning("%s; retrying", e)
+                await asyncio.sleep(1.0)
+
+    async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None as soon as the agent is told to stop."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self.stop_requested.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+        return task.result()
+
+    # --- generations -----------------------------------------------------------------------
+
+    async def _next_generation(self, last: int) -> Generation:
+        """Wait for all nodes, then open the next generation (node 0) or join it (others)."""
+        while True:
+            holders = await self.rendezvous.wait_full()
+            if self.node_rank != 0:
+                generation = await self.rendezvous.wait_opened(self.uid, after=last)
+                self.pulse.follow(generation.number, self.node_rank, holders)
+                return generation
+            lease = await self.store.grant(self.cfg.lease_ttl_s)
+            previous, _ = await self.rendezvous.current()
+            generation = await self.rendezvous.open(lambda number: Generation(
+                number=number, lease=lease, master_addr=self.cfg.host, master_port=free_port(),
+                agents=tuple(holders[rank]["uid"] for rank in range(self.cfg.nodes))))
+            if generation is None:
+                await self.store.revoke(lease)
+                continue
+            if previous is not None and not previous.ended:
+                await self._bury(previous)
+            self.pulse.follow(generation.number, 0, holders)
+            return generation
+
+    async def _bury(self, previous: Generation) -> None:
+        """The previous generation was never ended: its agents died with their host (a
+        replica of one node). Record that failure now, and drop its lease if it lingers."""
+        await self.store.revoke(previous.lease)
+        await self._record_failure(previous.number, Outcome(
+            False, "the replica's node died with its agent (found on restart)"))
+
+    async def _run_generation(self, generation: Generation) -> Outcome:
+        keep_alive = None
+        try:
+            if self.node_rank == 0:
+                self._write_lease_file(generation.lease)
+                await self.store.put(keys.replica(self.cfg.job, self.cfg.replica_id), Registration(
+                    replica_id=self.cfg.replica_id, state=ReplicaState.STARTING,
+                    generation=generation.number, host=self.cfg.host).to_json(),
+                    lease=generation.lease)
+                keep_alive = asyncio.create_task(self._hold_replica_lease(generation))
+            heartbeats = await self._spawn(generation)
+            outcome = await self._watch(generation, heartbeats, keep_alive)
+        except StoreUnavailableError as e:
+            outcome = Outcome(False, f"etcd unreachable while starting: {e}")
+        finally:
+            if keep_alive is not None:
+                keep_alive.cancel()
+        if outcome.success:
+            self.pulse.announce(DONE)
+        else:
+            await self._end(generation, outcome)
+        await self._kill_children()
+        return outcome
+
+    async def _end(self, generation: Generation, outcome: Outcome) -> None:
+        """Take the replica out of the job at once (revoke first: the survivors' recovery
+        starts when the registration disappears), then end the generation for its other
+        agents; the agent that ended it records the failure (a stop is no failure)."""
+        self.pulse.announce(ENDED)
+        await self._until_etcd_back(lambda: self.store.revoke(generation.lease))
+        if outcome.reason.startswith("ended by"):
+            return  # another agent ended it, and records why
+        won = await self._until_etcd_back(
+            lambda: self.rendezvous.end(generation.number, outcome.reason))
+        if won and outcome.reason != "stopped":
+            await self._until_etcd_back(lambda: self._record_failure(generation.number, outcome))
+
+    async def _hold_replica_lease(self, generation: Generation) -> None:
+        """Node 0 renews the replica lease; one an etcd outage outlived is replaced (unless
+        the generation ended meanwhile), and rank 0 re-registers on the new one."""
+        lease = generation.lease
+        while True:
+            try:
+                await self.store.keep_alive(lease, self.cfg.lease_ttl_s, REPLICA_KEEPALIVE_S)
+            except LeaseLostError:
+                current, _ = await self.rendezvous.current()
+                if current is None or current.number != generation.number or current.ended:
+                    return
+                lease = await self.store.grant(self.cfg.lease_ttl_s)
+                await self.rendezvous.replace_lease(generation.number, lease)
+                self._write_lease_file(lease)
+                log.warning("replica lease lapsed during an etcd outage; replaced by %x", lease)
+
+    def _write_lease_file(self, lease: int) -> None:
+        tmp = self.lease_file.with_suffix(".tmp")
+        tmp.write_text(str(lease))
+        tmp.replace(self.lease_file)  # atomic: rank 0 never reads half a number
+
     async def _record_failure(self, generation: int, outcome: Outcome) -> None:
         metrics.REPLICA_RESTARTS.labels(self.cfg.job, self.cfg.replica_id).inc()
         await self.store.put_json(
             keys.failure(self.cfg.job, self.cfg.replica_id, generation),
-            {"time": time.time(), "reason": outcome.reason, "step": outcome.last_step})
+            {"time": time.time(), "reason": outcome.reason, "step": outcome.last_step,
+             "node_rank": self.node_rank})
         # Kill points the replica has passed are spent; the restarted one gets the rest.
         self.kill_at = [p for p in self.kill_at if p.step > outcome.last_step]
 
-    async def _run_generation(self, generation: int) -> Outcome:
-        lease = await self.store.grant(self.cfg.lease_ttl_s)
-        keep_alive = asyncio.create_task(self.store.keep_alive(lease, self.cfg.lease_ttl_s))
-        try:
-            await self.store.put(keys.replica(self.cfg.job, self.cfg.replica_id), Registration(
-                replica_id=self.cfg.replica_id, state=ReplicaState.STARTING,
-                generation=generation, host=self.cfg.host).to_json(), lease=lease)
-            heartbeats = await self._spawn(generation, lease)
-            outcome = await self._watch_children(heartbeats, keep_alive)
-        finally:
-            keep_alive.cancel()
-            # Revoke first: the survivors' recovery starts when the registration disappears.
-            await self._revoke_quietly(lease)
-            await self._kill_children()
-        return outcome
+    # --- ranks -----------------------------------------------------------------------------
 
-    async def _revoke_quietly(self, lease: int) -> None:
-        try:
-            await self.store.revoke(lease)
-        except StoreError as e:
-            log.warning("could not revoke lease %x (%s); it expires in %ds", lease, e,
-                        self.cfg.lease_ttl_s)
-
-    async def _spawn(self, generation: int, lease: int) -> list[Path]:
-        master_port = free_port()
+    async def _spawn(self, generation: Generation) -> list[Path]:
         heartbeats = []
         self.children = []
-        for rank in range(self.cfg.num_procs):
-            heartbeat = self.workdir / f"heartbeat-g{generation}-r{rank}"
+        base = os.environ | replica_env(self.spec, self.cfg.replica_id) | {
+            runtime.ENV_ETCD: self.cfg.etcd, runtime.ENV_JOB: self.cfg.job,
+            runtime.ENV_REPLICA: self.cfg.replica_id,
+            runtime.ENV_GENERATION: str(generation.number),
+            runtime.ENV_LEASE: str(generation.lease),
+            runtime.ENV_LEASE_FILE: str(self.lease_file), runtime.ENV_HOST: self.cfg.host,
+            runtime.ENV_KILL_AT: format_fault_points(self.kill_at)}
+        for local_rank in range(self.cfg.nproc_per_node):
+            heartbeat = self.workdir / f"heartbeat-g{generation.number}-r{local_rank}"
             heartbeats.append(heartbeat)
-            env = os.environ | {
-                "RANK": str(rank), "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(self.cfg.num_procs),
-                "LOCAL_WORLD_SIZE": str(self.cfg.num_procs),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-                runtime.ENV_ETCD: self.cfg.etcd, runtime.ENV_JOB: self.cfg.job,
-                runtime.ENV_REPLICA: self.cfg.replica_id,
-                runtime.ENV_GENERATION: str(generation), runtime.ENV_LEASE: str(lease),
-                runtime.ENV_HEARTBEAT: str(heartbeat), runtime.ENV_HOST: self.cfg.host,
-                runtime.ENV_KILL_AT: format_fault_points(self.kill_at),
-            } | self.gpu_envs[rank]
+            env = base | rank_env(self.cfg.layout, self.node_rank, local_rank, generation,
+                                  max_restarts=self.cfg.max_restarts,
+                                  run_id=f"{self.cfg.job}-{self.cfg.replica_id}") | {
+                runtime.ENV_HEARTBEAT: str(heartbeat)} | self.gpu_envs[local_rank]
             self.children.append(await asyncio.create_subprocess_exec(
                 *die_with_parent(self.cfg.command), env=env, start_new_session=True))
         return heartbeats
 
-    async def _watch_children(self, heartbeats: list[Path], keep_alive: asyncio.Task) -> Outcome:
+    async def _watch(self, generation: Generation, heartbeats: list[Path],
+                     keep_alive: asyncio.Task | None) -> Outcome:
+        """Until the ranks finish, or something ends the generation: a rank's exit or hang,
+        a silent peer, another agent ending it, the replica lease lost, a stop request."""
         waits = {asyncio.create_task(c.wait()): c for c in self.children}
-        stop = asyncio.create_task(self.stop_requested.wait())
-        watchdog = asyncio.create_task(self._watchdog(heartbeats))
+        watchers = {
+            asyncio.create_task(self.stop_requested.wait()): lambda t: "stopped",
+            asyncio.create_task(self._watchdog(heartbeats)): lambda t: t.result(),
+            asyncio.create_task(self._ended_elsewhere(generation)): lambda t: t.result(),
+        }
+        if self.cfg.nodes > 1:
+            watchers[asyncio.create_task(self.pulse.watch())] = lambda t: t.result()
+        if keep_alive is not None:
+            watchers[keep_alive] = lambda t: "replica lease lost"
         pending = set(waits)
         try:
             while pending:
-                done, _ = await asyncio.wait(pending | {stop, watchdog, keep_alive},
+                done, _ = await asyncio.wait(pending | set(watchers),
                                              return_when=asyncio.FIRST_COMPLETED)
-                if keep_alive in done:  # the job has dropped this replica: restart it
-                    return Outcome(False, f"lease lost: {keep_alive.exception()}",
-                                   _last_step(heartbeats))
-                if stop in done:
-                    await self._forward_stop()
-                    return Outcome(False, "stopped", _last_step(heartbeats))
-                if watchdog in done:
-                    return Outcome(False, watchdog.result(), _last_step(heartbeats))
+                for task in done & set(watchers):
+                    reason = watchers[task](task)
+                    if reason == "stopped":
+                        await self._forward_stop()
+                    return Outcome(False, reason, _last_step(heartbeats))
                 for task in done & pending:
                     pending.discard(task)
                     code = task.result()
@@ -233,14 +392,26 @@ class Agent:
                     if code != 0 and _finished(heartbeats[rank]):
                         # Its work was done and recorded: a crash while tearing down does not
                         # make the replica train again (alone, after the others left).
-                        log.warning("replica %s rank %d finished, then %s while tearing down",
-                                    self.cfg.replica_id, rank, _describe_exit(code))
+                        log.warning("replica %s local rank %d finished, then %s while tearing "
+                                    "down", self.cfg.replica_id, rank, _describe_exit(code))
                     elif code != 0:
-                        return Outcome(False, _describe_exit(code), _last_step(heartbeats))
+                        return Outcome(False, f"node {self.node_rank} local rank {rank} "
+                                       f"{_describe_exit(code)}", _last_step(heartbeats))
             return Outcome(True, "finished", _last_step(heartbeats))
         finally:
-            for task in (*pending, stop, watchdog):
-                task.cancel()
+            for task in (*pending, *watchers):
+                if task is not keep_alive:
+                    task.cancel()
+
+    async def _ended_elsewhere(self, generation: Generation) -> str:
+        """Returns when another agent of the replica ended the generation (seen in etcd)."""
+        key = keys.generation(self.cfg.job, self.cfg.replica_id)
+        while True:
+            current, revision = await self.rendezvous.current()
+            if current is None or current.number != generation.number or current.ended:
+                return f"ended by another node: {current.ended if current else 'gone'}"
+            async for _ in self.store.watch_prefix(key, start_revision=revision + 1):
+                break
 
     async def _watchdog(self, heartbeats: list[Path]) -> str:
         """Returns (ends the generation) when a started rank stops beating."""
@@ -256,7 +427,8 @@ class Agent:
                     continue  # tearing down is not hanging
                 if age > self.cfg.watchdog_s:
                     await self._dump_stacks(rank)
-                    return f"rank {rank} hung: no heartbeat for {age:.0f}s"
+                    return f"node {self.node_rank} local rank {rank} hung: no heartbeat " \
+                           f"for {age:.0f}s"
 
     async def _dump_stacks(self, rank: int) -> None:
         """Ask the hung rank for its Python stacks (SIGUSR1, see ``runtime.Heartbeat``)."""

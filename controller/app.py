@@ -158,7 +158,9 @@ def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
         return {k[len(prefix):]: json.loads(v) for k, v in items.items() if k.startswith(prefix)}
 
     registrations = under(keys.replicas(job))
-    agents = under(keys.agents(job))
+    agents: dict[str, Any] = {}  # per replica, the record of its lowest node rank
+    for path, record in sorted(under(keys.agents(job)).items(), reverse=True):
+        agents[path.split("/", 1)[0]] = record
     restarts: dict[str, int] = {}
     for path in under(keys.failures(job)):
         rid = path.split("/", 1)[0]

@@ -4,22 +4,48 @@ Several controller instances may run; the one holding ``controller/leader`` (bou
 decides. The others wait for the key to disappear and campaign again. The leader writes epochs in
 a transaction guarded by its leadership, so a deposed leader cannot publish. Replicas keep
 stepping in their current epoch while no leader exists.
+
+Two rules keep an etcd outage from looking like host failures, and make a dead host's removal
+fast (both decided in ``ftsystem.membership``): registrations that vanish together, or that a
+new leader finds missing, are held for a grace instead of removed (``held_members``); and when a
+member reports a failed collective, its peers' lease renewals are checked, so a host that died
+with its agent is removed in about a second instead of a lease TTL (``stale_members``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ftsystem import keys, metrics
 from ftsystem.ettr import LiveEttr
-from ftsystem.membership import (Epoch, Policy, Registration, ReplicaState, assign_donors,
-                                 decide)
+from ftsystem.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
+                                 Registration, ReplicaState, assign_donors, decide,
+                                 held_members, stale_members)
+from ftsystem.runtime import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
 from ftsystem.store import Store, StoreError
+from ftsystem.timeouts import TimeoutConfigError, Timeouts
 
 log = logging.getLogger(__name__)
+
+LEADER_RENEW_S = 0.25
+"""The leader renews its lease this often, not every third of its TTL: when its lease is found
+lapsed anyway, etcd (or this process) was stuck for over a second, not a renewal merely late."""
+CONFIRM_POLL_S = 0.25
+"""Members' leases are read this often during a confirmation window (``CONFIRM_S``)."""
+_RECHECK = object()
+"""Queued after each reading of the members' leases: decide again."""
+
+
+def _replica_lease_ttl_s() -> int:
+    """The replicas' lease TTL, derived from FTSYSTEM_TIMEOUT_S as the agents derive it."""
+    try:
+        return Timeouts(float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))).lease_ttl_s
+    except (TimeoutConfigError, ValueError):
+        return Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +64,8 @@ class LeaderConfig:
     """Used when the job has no spec in etcd."""
     address: str = ""
     """host:port this instance serves at, published for discovery (empty: not published)."""
+    replica_lease_ttl_s: int = field(default_factory=_replica_lease_ttl_s)
+    """The replicas' lease TTL: members that vanish in a mass lapse are held for it + 2 s."""
 
 
 async def read_policy(store: Store, cfg: LeaderConfig) -> Policy:
@@ -90,7 +118,8 @@ async def _wait_deleted(store: Store, key: str) -> None:
 
 
 async def _lead_while_leased(store: Store, cfg: LeaderConfig, lease: int) -> None:
-    keep_alive = asyncio.create_task(store.keep_alive(lease, cfg.lease_ttl_s))
+    keep_alive = asyncio.create_task(
+        store.keep_alive(lease, cfg.lease_ttl_s, every_s=LEADER_RENEW_S))
     lead = asyncio.create_task(MembershipLoop(store, cfg, lease).run())
     try:
         done, _ = await asyncio.wait({keep_alive, lead}, return_when=asyncio.FIRST_COMPLETED)
@@ -118,6 +147,19 @@ class MembershipLoop:
         self.assignments: dict[str, str | None] = {}
         self.epoch: Epoch | None = None
         self.started = time.monotonic()
+        self.rule = LapseRule.for_lease_ttl(cfg.replica_lease_ttl_s)
+        self.vanished: dict[str, float] = {}
+        """Members whose registration is gone, and since when (see ``held_members``)."""
+        self.suspected_at: list[float] = [self.started]
+        """When the control plane was suspected: this term began, the own lease lapsed."""
+        self.held: frozenset[str] = frozenset()
+        self.evicted: dict[str, int] = {}
+        """Members removed for a stale lease, and the generation that was stale."""
+        self.readings: dict[str, LeaseReading] = {}
+        self.reported_at: float | None = None
+        """When a member last reported a failed collective (``resync_after``)."""
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._confirming: asyncio.Task | None = None
 
     async def run(self) -> None:
         self.policy = await read_policy(self.store, self.cfg)
@@ -126,22 +168,28 @@ class MembershipLoop:
         items, revision = await self.store.get_prefix(keys.replicas(self.cfg.job))
         self.registrations = {keys.last_segment(k): Registration.from_json(v)
                               for k, v in items.items()}
+        # Members missing now may have lapsed in an outage that also took the previous
+        # leader's lease: they are held, and an empty epoch is never published for it.
+        self.vanished = {m: self.started for m in (self.epoch.members if self.epoch else ())
+                         if m not in self.registrations}
         # ETTR from the moment this instance leads (a new leader starts its own count).
         self.ettr = LiveEttr(num_replicas=self.policy.initial_replicas)
-        queue: asyncio.Queue = asyncio.Queue()
-        watcher = asyncio.create_task(self._watch(revision + 1, queue))
+        watcher = asyncio.create_task(self._watch(revision + 1))
         try:
-            await self._decide_forever(queue)
+            await self._decide_forever()
         finally:
-            watcher.cancel()
+            for task in (watcher, self._confirming):
+                if task is not None:
+                    task.cancel()
 
-    async def _watch(self, start_revision: int, queue: asyncio.Queue) -> None:
+    async def _watch(self, start_revision: int) -> None:
         async for event in self.store.watch_prefix(keys.replicas(self.cfg.job),
                                                    start_revision=start_revision):
-            await queue.put(event)
+            await self.queue.put(event)
         raise StoreError("registration watch ended")
 
-    async def _decide_forever(self, queue: asyncio.Queue) -> None:
+    async def _decide_forever(self) -> None:
+        queue = self.queue
         next_tick = time.monotonic()
         while True:
             timeout = max(0.0, next_tick - time.monotonic())
@@ -158,24 +206,119 @@ class MembershipLoop:
             await self._decide(join_tick=False, seen=seen)
 
     def _apply(self, event) -> None:
+        if event is _RECHECK:
+            return
         rid = keys.last_segment(event.key)
         if event.kind == "DELETE":
             self.registrations.pop(rid, None)
+            self.evicted.pop(rid, None)
             self.ettr.forget(rid)
+            if self.epoch is not None and rid in self.epoch.members:
+                self.vanished[rid] = time.monotonic()
         else:
             reg = self.registrations[rid] = Registration.from_json(event.value)
+            self.vanished.pop(rid, None)
+            if self.evicted.get(rid, reg.generation) != reg.generation:
+                del self.evicted[rid]  # a new generation is judged afresh
             self.ettr.observe(rid, reg.step, reg.state == ReplicaState.MEMBER, time.time())
 
     async def _decide(self, *, join_tick: bool, seen: float) -> None:
         if self.epoch is None:  # the spec may be written after the controller started
             self.policy = await read_policy(self.store, self.cfg)
-        deadline_passed = time.monotonic() - self.started > self.cfg.start_timeout_s
-        nxt = decide(self.epoch, self.registrations, self.policy, join_tick=join_tick,
-                     start_deadline_passed=deadline_passed)
+        now = time.monotonic()
+        self._note_report(now)
+        nxt = self._next_epoch(join_tick, now)
+        if nxt is not None and self._drops_unregistered(nxt) and await self._own_lease_lapsed():
+            # etcd revokes expired leases in any order: the replicas' may go before this
+            # leader's key does, which would still let it publish their removal.
+            log.warning("this leader's lease lapsed too: etcd was unreachable, not the replicas")
+            self.suspected_at.append(now)
+            nxt = self._next_epoch(join_tick, now)
         if nxt is not None:
             await self._publish(nxt, seen)
         await self._assign_donors()
         self._export_ettr()
+
+    def _next_epoch(self, join_tick: bool, now: float) -> Epoch | None:
+        self._hold(now)
+        self._evict_stale()
+        return decide(self.epoch, self.registrations, self.policy, join_tick=join_tick,
+                      start_deadline_passed=now - self.started > self.cfg.start_timeout_s,
+                      held=self.held, evicted=self.evicted)
+
+    # --- a control-plane outage is not a host failure ----------------------------------------
+
+    def _hold(self, now: float) -> None:
+        horizon = self.rule.grace_s + self.rule.window_s
+        self.vanished = {m: t for m, t in self.vanished.items() if now - t < horizon}
+        self.suspected_at = [t for t in self.suspected_at if now - t < horizon]
+        held = held_members(self.vanished, self.epoch.members if self.epoch else (),
+                            suspected_at=self.suspected_at, now=now, rule=self.rule)
+        if held - self.held:
+            log.warning("holding %s: registrations gone together (an etcd outage?); removed "
+                        "unless registered again within %.0f s",
+                        ",".join(sorted(held - self.held)), self.rule.grace_s)
+        self.held = held
+
+    def _drops_unregistered(self, nxt: Epoch) -> bool:
+        return self.epoch is not None and any(
+            m not in nxt.members and m not in self.registrations for m in self.epoch.members)
+
+    async def _own_lease_lapsed(self) -> bool:
+        """Asked before removing a member whose registration vanished. The leader renews its
+        lease every LEADER_RENEW_S: gone, or not renewed for over a second, means etcd was
+        unreachable, and the replicas' leases lapsed with it. (If this term is over, the next
+        publication or renewal says so.)"""
+        ttl = await self.store.lease_ttl(self.lease)
+        return ttl is None or LeaseReading(lease=self.lease, remaining=ttl[0], granted=ttl[1],
+                                           at=time.monotonic()).stale
+
+    # --- a data-plane failure confirmed by the control plane ---------------------------------
+
+    def _note_report(self, now: float) -> None:
+        """A member reported a failed collective: read every member's lease for a while."""
+        epoch = self.epoch
+        if epoch is None or not any(self.registrations[m].resync_after >= epoch.number
+                                    for m in epoch.members if m in self.registrations):
+            return
+        self.reported_at = now
+        if self._confirming is None or self._confirming.done():
+            self._confirming = asyncio.create_task(self._confirm())
+
+    async def _confirm(self) -> None:
+        while time.monotonic() < self.reported_at + CONFIRM_S:
+            await self._read_leases()
+            await self.queue.put(_RECHECK)
+            await asyncio.sleep(CONFIRM_POLL_S)
+
+    async def _read_leases(self) -> None:
+        members = self.epoch.members if self.epoch else ()
+        leases = {m: self.registrations[m].lease for m in members
+                  if m in self.registrations and self.registrations[m].lease}
+        at = time.monotonic()
+        try:
+            ttls = await asyncio.gather(*map(self.store.lease_ttl, leases.values()))
+        except StoreError as e:  # only an accelerator: lease expiry still removes a dead host
+            log.warning("members' leases not read: %s", e)
+            return
+        for (member, lease), ttl in zip(leases.items(), ttls):
+            if ttl is None:  # gone: its registration goes with it
+                self.readings.pop(member, None)
+            else:
+                self.readings[member] = LeaseReading(lease=lease, remaining=ttl[0],
+                                                     granted=ttl[1], at=at)
+
+    def _evict_stale(self) -> None:
+        if self.reported_at is None or self.epoch is None:
+            return
+        stale = stale_members(self.registrations, self.epoch.members, self.readings,
+                              reported_at=self.reported_at, lapse_suspected=bool(self.held))
+        for member in stale - set(self.evicted):
+            self.evicted[member] = self.registrations[member].generation
+            reading = self.readings[member]
+            log.warning("removing %s: a peer's collective failed and its lease has not been "
+                        "renewed for over a second (%d of %d s left)", member,
+                        reading.remaining, reading.granted)
 
     def _export_ettr(self) -> None:
         for kind, value in self.ettr.values(time.time()).items():

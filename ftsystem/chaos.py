@@ -3,7 +3,8 @@
 A spec says what to do (``action``), to whom (``selector`` and ``mode``), for how long
 (``duration``) and when (``schedule``)::
 
-    action: hang            # kill | hang | slow | partition | controller-kill | etcd-member-kill
+    action: hang            # kill | hang | slow | partition | host-kill | host-partition
+                            # | controller-kill | etcd-member-kill
                             # or a list, e.g. [kill, hang, partition]: each firing picks one
     mode: one               # one | fixed | percent
     value: 1                # how many (fixed) or which share (percent) of the selected
@@ -31,10 +32,14 @@ import yaml
 
 REPLICA_ACTIONS = ("kill", "hang", "slow", "partition")
 """Executed by the agent of the targeted replica."""
+HOST_ACTIONS = ("host-kill", "host-partition")
+"""One node of a replica, as a machine fails: every process of the node, its agent included, at
+once (down for the order's duration, then the host comes back); or its link cut while its
+processes live on. Executed by whoever started the hosts (``ftsystem run --netns``)."""
 SERVICE_ACTIONS = ("controller-kill", "etcd-member-kill")
 """Executed by whoever supervises the services (``ftsystem run``); they target no replica."""
-ACTIONS = REPLICA_ACTIONS + SERVICE_ACTIONS
-NEEDS_DURATION = ("hang", "slow", "partition")
+ACTIONS = REPLICA_ACTIONS + HOST_ACTIONS + SERVICE_ACTIONS
+NEEDS_DURATION = ("hang", "slow", "partition", "host-partition")
 MODES = ("one", "fixed", "percent")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -187,6 +192,8 @@ class Order:
     """Unix time at which the agent acts."""
     duration_s: float = 0.0
     slow_fraction: float = 0.5
+    node: int = 0
+    """The node rank of a host action (``HOST_ACTIONS``)."""
     state: str = "pending"
     """pending | done | failed (set by the executing agent)."""
     outcome: str = ""
@@ -200,8 +207,10 @@ class Order:
         return cls(**json.loads(data))
 
 
-def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str) -> list[Order]:
-    """The orders of ``spec`` against the job's ``replicas``, from ``now`` over its horizon."""
+def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str,
+           nodes_per_replica: int = 1) -> list[Order]:
+    """The orders of ``spec`` against the job's ``replicas``, from ``now`` over its horizon; a
+    host action also picks one of the replica's nodes."""
     pool = [r for r in replicas if not spec.replicas or r in spec.replicas]
     if not pool:
         raise ChaosSpecError(f"the selector matches none of the job's replicas "
@@ -212,9 +221,11 @@ def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str) -
         action = spec.actions[0] if len(spec.actions) == 1 else rng.choice(spec.actions)
         targets = [""] if action in SERVICE_ACTIONS else _choose(spec, pool, rng)
         for replica in targets:
-            orders.append(Order(id=f"{name}-{i:04d}-{replica or action}", action=action,
+            node = rng.randrange(nodes_per_replica) if action in HOST_ACTIONS else 0
+            suffix = f"-n{node}" if action in HOST_ACTIONS else ""
+            orders.append(Order(id=f"{name}-{i:04d}-{replica or action}{suffix}", action=action,
                                 replica=replica, at=at, duration_s=spec.duration_s,
-                                slow_fraction=spec.slow_fraction))
+                                slow_fraction=spec.slow_fraction, node=node))
         if len(orders) > MAX_ORDERS:
             raise ChaosSpecError(f"the spec makes more than {MAX_ORDERS} orders; select fewer "
                                  "replicas or fire less often")
@@ -259,9 +270,10 @@ async def submit(store, job: str, specs: ChaosSpec | Sequence[ChaosSpec], name: 
     from ftsystem import keys
     specs = [specs] if isinstance(specs, ChaosSpec) else list(specs)
     agents, _ = await store.get_prefix(keys.agents(job))
-    replicas = sorted(keys.last_segment(k) for k in agents)
+    replicas = sorted({keys.agent_replica(job, k) for k in agents})
+    nodes = int((await store.get_json(keys.spec(job)) or {}).get("nodes_per_replica", 1))
     orders = [order for i, spec in enumerate(specs)
-              for order in expand(spec, replicas, now=now,
+              for order in expand(spec, replicas, now=now, nodes_per_replica=nodes,
                                   name=name if len(specs) == 1 else f"{name}-s{i}")]
     for order in orders:
         await store.put(keys.chaos(job, order.id), order.to_json())

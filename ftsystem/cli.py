@@ -93,8 +93,20 @@ def controller(etcd: str = typer.Option(..., help=ETCD_HELP),
 def agent(command: List[str] = typer.Argument(..., help="the replica's program, after --"),
           etcd: str = typer.Option(..., help=ETCD_HELP),
           job: str = typer.Option(..., help="job id"),
-          replica_id: str = typer.Option(..., help="the replica this agent supervises"),
-          nproc_per_replica: int = typer.Option(1, min=1, help="ranks per replica"),
+          replica_id: str = typer.Option(..., help="the replica this agent supervises a node of"),
+          node_rank: Optional[int] = typer.Option(None, min=0, help="this node's place in the "
+                                                  "replica, 0..nodes-1 (torchrun's GROUP_RANK);"
+                                                  " default 0 for a replica of one node"),
+          nodes: int = typer.Option(1, min=1, help="nodes per replica, one agent each"),
+          nproc_per_node: int = typer.Option(1, min=1, help="ranks on this node"),
+          nproc_per_replica: Optional[int] = typer.Option(
+              None, min=1, hidden=True, help="old name of --nproc-per-node (one node)"),
+          spare: bool = typer.Option(False, help="a standby agent: takes over the first node "
+                                     "rank of the replica that falls free"),
+          node_id: Optional[str] = typer.Option(None, help="the machine (default: hostname): an "
+                                                "agent restarted on it takes its rank back"),
+          peer_timeout: float = typer.Option(1.0, min=0.2, help="seconds of silence after "
+                                             "which a peer node counts as dead or cut off"),
           kill_at: List[str] = typer.Option([], help="kill the replica at STEP[:PHASE]"),
           max_restarts: int = typer.Option(20, min=0),
           timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S): "
@@ -104,7 +116,8 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
                                    "the k-th (CUDA_VISIBLE_DEVICES); default: every rank sees "
                                    "the node's GPUs and uses cuda:LOCAL_RANK")
           ) -> None:
-    """Supervise one replica: launch its ranks, hold its lease, restart it on failure."""
+    """Supervise one node of a replica: meet the replica's other agents, launch this node's
+    ranks, restart the replica with them when any part of it fails."""
     import os
     from agent.main import run_agent
     from agent.supervisor import AgentConfig, parse_gpus
@@ -123,10 +136,19 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     from ftsystem.store import StoreError
     timeouts = _timeouts(timeout)
     os.environ[ENV_TIMEOUT] = str(timeout)
+    if spare and node_rank is not None:
+        raise typer.BadParameter("a spare takes whichever node rank falls free: give either "
+                                 "--spare or --node-rank", param_hint="--spare")
+    if node_rank is None and not spare and nodes > 1:
+        raise typer.BadParameter(f"a replica of {nodes} nodes needs each agent's --node-rank "
+                                 f"(0..{nodes - 1}), or --spare", param_hint="--node-rank")
     cfg = AgentConfig(etcd=etcd, job=job, replica_id=replica_id, command=command,
-                      num_procs=nproc_per_replica, max_restarts=max_restarts,
+                      node_rank=None if spare else (node_rank or 0), nodes=nodes,
+                      nproc_per_node=nproc_per_replica or nproc_per_node,
+                      max_restarts=max_restarts, peer_timeout_s=peer_timeout,
                       watchdog_s=timeouts.watchdog_s, lease_ttl_s=timeouts.lease_ttl_s,
-                      kill_at=points, host=host, gpus=gpu_list)
+                      kill_at=points, host=host, gpus=gpu_list,
+                      **({"node_id": node_id} if node_id else {}))
     try:
         code = run_agent(cfg)
     except (StoreError, ValueError) as e:
@@ -137,8 +159,12 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
 @app.command()
 def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         steps: int = typer.Option(300, min=1, help="committed steps to train"),
-        nproc_per_replica: int = typer.Option(1, min=1, help="ranks per replica: the model "
-                                              "is sharded over them with FSDP2"),
+        nodes_per_replica: int = typer.Option(1, min=1, help="nodes per replica, one agent each "
+                                              "(with --netns, each in its own namespace)"),
+        nproc_per_node: int = typer.Option(1, min=1, help="ranks per node: the model is "
+                                           "sharded over all ranks of a replica with FSDP2"),
+        nproc_per_replica: Optional[int] = typer.Option(None, min=1, hidden=True,
+                                                        help="old name of --nproc-per-node"),
         min_replicas: int = typer.Option(1, min=1, help="pause below this many replicas"),
         kill_at: List[str] = typer.Option(
             [], help="inject a fault: STEP:REPLICA[:PHASE], PHASE step (SIGKILL between "
@@ -152,8 +178,8 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         port: int = typer.Option(0, help="controller REST port (0: free port)"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary here"),
         chaos: Optional[Path] = typer.Option(None, help="a chaos spec (YAML/JSON) to inject"),
-        netns: bool = typer.Option(False, help="run each replica's agent in its own network "
-                                   "namespace (root; needed by the partition action)"),
+        netns: bool = typer.Option(False, help="run each node's agent in its own network "
+                                   "namespace (root; needed by partition and host actions)"),
         etcd_members: int = typer.Option(1, min=1, help="members of the embedded etcd "
                                          "(3 for etcd-member-kill)"),
         checkpoint_every: int = typer.Option(0, min=0, help="disk checkpoints every N steps "
@@ -181,7 +207,8 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         raise typer.BadParameter(str(e), param_hint="--chaos/--mtbf") from e
     train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
     cfg = RunConfig(chaos=specs, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
-                    nproc_per_replica=nproc_per_replica,
+                    nodes_per_replica=nodes_per_replica,
+                    nproc_per_node=nproc_per_replica or nproc_per_node,
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
                     timeout_s=timeout, controller_ports=[port], netns=netns,
                     etcd_members=etcd_members, checkpoint_every=checkpoint_every)

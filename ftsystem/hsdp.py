@@ -160,7 +160,7 @@ class FTReplica:
         commit: a program accumulating gradients over several must pass False. Replicas of
         several ranks never overlap (their FSDP reduce-scatter does, inside the replica)."""
         self.ctx = ctx or ReplicaContext.from_env()
-        self.replica = ReplicaGroup(self.ctx.local_world_size)
+        self.replica = ReplicaGroup(self.ctx.world_size)
         self.model, self.optimizer = model, optimizer
         self._step_fn = step_fn or optimizer.step
         self.objects = ReplicatedObjects()
@@ -187,23 +187,23 @@ class FTReplica:
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
         # Injected faults hit one rank (the last): its death takes the whole replica down.
-        last_rank = self.ctx.local_rank == self.ctx.local_world_size - 1
+        last_rank = self.ctx.rank == self.ctx.world_size - 1
         self.faults = FaultSchedule.from_env() if last_rank else FaultSchedule([])
         # The rendezvous store for the epochs this replica leads (it is members[0]), hosted by
         # its rank 0 for every shard's group.
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
-                                         wait_for_workers=False) if self.ctx.local_rank == 0 \
+                                         wait_for_workers=False) if self.ctx.rank == 0 \
             else None
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._numel = local_numel(self._params)
         self._dtype, self._device = local(self._params[0]).dtype, local(self._params[0]).device
-        self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.local_rank,
+        self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.rank,
                                            timeout_s=self.ctx.timeout_s, device=self._device)
         bucket_cap = _env_int(ENV_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES)
         if overlap is None:
             overlap = overlap_by_default(self._params, bucket_cap)
         self._overlap = OverlappedGradSum(self._params, bucket_cap) \
-            if overlap and self.ctx.local_world_size == 1 else None
+            if overlap and self.ctx.world_size == 1 else None
         self._overlap_armed = False
         self.overlapped_commits = 0
         """Commits whose gradients went out in buckets during backward."""
@@ -217,7 +217,7 @@ class FTReplica:
         self._donor_addr: str | None = None
         self.checkpointer = _checkpointer_from_env()
         self._disk_state = {"train": TrainingState(model, optimizer),
-                            f"replicated_rank{self.ctx.local_rank}": _DiskExtras(self)}
+                            f"replicated_rank{self.ctx.rank}": _DiskExtras(self)}
         self.resumed_from: int | None = None
         """The disk checkpoint's step this replica started from (a cold start), if any."""
         self._labels = (self.ctx.job, self.ctx.replica_id)
@@ -572,7 +572,7 @@ class FTReplica:
         """After a failure in epoch ``failed``: a peer died (its removal epoch is coming) or
         nobody did (then ask the leader for a new epoch); give up after the timeout."""
         metrics.FTAR_FAILURES.labels(*self._labels).inc()
-        log.warning("replica %s rank %d step %d: %s", self.ctx.replica_id, self.ctx.local_rank,
+        log.warning("replica %s rank %d step %d: %s", self.ctx.replica_id, self.ctx.rank,
                     self.step, error)
         self.ftar.abort()
         # If nobody died, no epoch would come: ask the leader for one (it reconfigures all).
@@ -763,7 +763,7 @@ class FTReplica:
                                   map_location=self._device))
             self._fresh = False
             log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
-                     self.ctx.local_rank, self.step, source)
+                     self.ctx.rank, self.step, source)
         return load
 
     def _replay(self, logged: LoggedUpdate) -> None:
@@ -863,7 +863,7 @@ class FTReplica:
                 head = fetch_head(addr, self.ctx.timeout_s)
         except DonorUnavailableError as e:
             log.warning("replica %s rank %d: donor %s failed (%s)", self.ctx.replica_id,
-                        self.ctx.local_rank, donor, e)
+                        self.ctx.rank, donor, e)
         target = self.replica.max(head) + SNAPSHOT_LEAD  # every rank, whatever happened
         try:
             if head >= 0:
@@ -871,12 +871,12 @@ class FTReplica:
                                                              at_step=target)
         except DonorUnavailableError as e:
             log.warning("replica %s rank %d: no snapshot of step %d from %s (%s)",
-                        self.ctx.replica_id, self.ctx.local_rank, target, donor, e)
+                        self.ctx.replica_id, self.ctx.rank, target, donor, e)
         (missing,) = self.replica.any(state is None)
         if missing or self.replica.max(step) != -self.replica.max(-step):
             log.info("replica %s: its ranks got no snapshots of one step (rank %d: %d); "
                      "joining with a full state sync", self.ctx.replica_id,
-                     self.ctx.local_rank, step)
+                     self.ctx.rank, step)
             return
         self._load(state)
         self._fresh = False
@@ -884,7 +884,7 @@ class FTReplica:
         metrics.CATCHUP_BYTES.labels(*self._labels).inc(stats["bytes"])
         metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
         log.info("replica %s rank %d loaded %s's snapshot of step %d", self.ctx.replica_id,
-                 self.ctx.local_rank, donor, step)
+                 self.ctx.rank, donor, step)
 
     def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
         """Wait for the leader to name a donor (not one in ``avoid``); None: there is none.
@@ -905,12 +905,12 @@ class FTReplica:
     def _shard_server(self, assignment: dict) -> str:
         """The donor's state server for this rank's shard (rank k serves shard k)."""
         addrs = assignment["state_addr"].split(",")
-        if len(addrs) != self.ctx.local_world_size:
+        if len(addrs) != self.ctx.world_size:
             raise RuntimeError(
                 f"donor {assignment['donor']} has {len(addrs)} ranks, this replica "
-                f"{self.ctx.local_world_size}: every replica of a job needs the same "
+                f"{self.ctx.world_size}: every replica of a job needs the same "
                 "--nproc-per-replica")
-        return addrs[self.ctx.local_rank]
+        return addrs[self.ctx.rank]
 
     def _replay_from(self, addr: str) -> int | None:
         """Replay the donor's logged updates after our step; the donor's head, or None if
@@ -986,7 +986,7 @@ class FTReplica:
         items = self.control.job_items(keys.job(job) + "/")
         regs = {keys.last_segment(k): Registration.from_json(v) for k, v in items.items()
                 if k.startswith(keys.replicas(job))}
-        agents = {keys.last_segment(k) for k in items if k.startswith(keys.agents(job))}
+        agents = {keys.agent_replica(job, k) for k in items if k.startswith(keys.agents(job))}
         return regs, agents
 
     def state_hash(self) -> str:

@@ -59,12 +59,40 @@ def replica(job_id: str, replica_id: str) -> str:
 
 
 def agents(job_id: str) -> str:
-    """Prefix of agent records, each bound to its agent's lease: alive while it supervises."""
+    """Prefix of node agent records, ``agents/<replica>/<node rank>``, each bound to its agent's
+    lease: alive while the agent runs. Holding the record is holding the node rank (the
+    rendezvous slot); a spare's record is ``agents/<replica>/spare-<uid>``."""
     return f"{job(job_id)}/agents/"
 
 
-def agent(job_id: str, replica_id: str) -> str:
-    return agents(job_id) + check_id("replica", replica_id)
+def replica_agents(job_id: str, replica_id: str) -> str:
+    return f"{agents(job_id)}{check_id('replica', replica_id)}/"
+
+
+def agent(job_id: str, replica_id: str, node_rank: int) -> str:
+    return f"{replica_agents(job_id, replica_id)}{node_rank:05d}"
+
+
+def spare_agent(job_id: str, replica_id: str, uid: str) -> str:
+    return f"{replica_agents(job_id, replica_id)}spare-{check_id('agent', uid)}"
+
+
+def agent_replica(job_id: str, key: str) -> str:
+    """The replica of an agent record's key."""
+    return key[len(agents(job_id)):].split("/", 1)[0]
+
+
+def layout(job_id: str, replica_id: str) -> str:
+    """A replica's shape, ``{nodes, nproc_per_node}``, written by its first agent (no lease):
+    an agent started with another shape is refused."""
+    return f"{job(job_id)}/layouts/{check_id('replica', replica_id)}"
+
+
+def generation(job_id: str, replica_id: str) -> str:
+    """The replica's current generation (no lease): which agent holds each node rank, the
+    replica lease, where rank 0 listens, and whether it still runs. Written in transactions
+    by the replica's agents: node rank 0 opens a generation, any node ends it."""
+    return f"{job(job_id)}/generations/{check_id('replica', replica_id)}"
 
 
 def catchups(job_id: str) -> str:

@@ -60,9 +60,11 @@ class RunConfig:
     """Data-parallel replicas (one agent each)."""
     num_steps: int = 300
     """Committed steps to train."""
-    nproc_per_replica: int = 1
-    """Ranks per replica: the model is sharded over them (FSDP2); a rank's death restarts its
-    replica."""
+    nodes_per_replica: int = 1
+    """Nodes per replica, one agent each (in its own network namespace with ``netns``)."""
+    nproc_per_node: int = 1
+    """Ranks per node: the model is sharded over every rank of a replica (FSDP2); a rank's
+    death restarts its replica."""
     min_replicas: int = 1
     """The job pauses below this many replicas."""
     etcd: str | None = None
@@ -88,7 +90,8 @@ class RunConfig:
     etcd_members: int = 1
     """Members of the embedded etcd (3 lets ``etcd-member-kill`` kill one)."""
     netns: bool = False
-    """Run each replica's agent in its own network namespace, so ``partition`` can cut it."""
+    """Run each node's agent in its own network namespace, so ``partition`` and the host
+    actions can hit it."""
     checkpoint_every: int = 0
     """Disk checkpoints every this many steps in ``out_dir/checkpoints`` (0: none); the job
     resumes from the newest complete one when every replica has died."""
@@ -135,12 +138,56 @@ def etcd_endpoint(cfg: RunConfig, host: str) -> Iterator[tuple[str, EtcdCluster 
 
 @contextlib.contextmanager
 def hosts(cfg: RunConfig) -> Iterator[list[Host | None]]:
-    """Where each replica's agent runs: its own network namespace, or (None) this one."""
+    """Where each node's agent runs (replica-major): its own network namespace, or (None)
+    this one."""
+    count = cfg.num_replicas * cfg.nodes_per_replica
     if not cfg.netns:
-        yield [None] * cfg.num_replicas
+        yield [None] * count
         return
-    with HostNetwork(cfg.num_replicas, name=f"ft{os.getpid() % 100000}") as net:
+    with HostNetwork(count, name=f"ft{os.getpid() % 100000}") as net:
         yield net.hosts
+
+
+class NodeAgents:
+    """The agent of every node of the job; a node's agent can be started again (a host
+    that comes back after a ``host-kill``)."""
+
+    def __init__(self, cfg: RunConfig, etcd: str, node_hosts: list[Host | None],
+                 procs: ProcessGroup, env: dict[str, str]) -> None:
+        self.cfg, self.etcd, self.node_hosts, self.procs, self.env = cfg, etcd, node_hosts, \
+            procs, env
+        self.current: dict[tuple[int, int], subprocess.Popen] = {}
+
+    def nodes(self) -> list[tuple[int, int]]:
+        return [(i, k) for i in range(self.cfg.num_replicas)
+                for k in range(self.cfg.nodes_per_replica)]
+
+    def host(self, index: int, node_rank: int) -> Host | None:
+        return self.node_hosts[index * self.cfg.nodes_per_replica + node_rank]
+
+    def start(self, index: int, node_rank: int) -> None:
+        host = self.host(index, node_rank)
+        name = f"agent-{replica_id(index)}" + (
+            f"-n{node_rank}" if self.cfg.nodes_per_replica > 1 else "")
+        self.current[(index, node_rank)] = self.procs.start(name, _on_host(host, agent_command(
+            self.cfg, self.etcd, index, node_rank=node_rank,
+            host=host.address if host else "127.0.0.1",
+            node_id=host.name if host else f"{self.cfg.job}-{replica_id(index)}-n{node_rank}")),
+            env=self.env)
+
+    def start_all(self) -> None:
+        for index, node_rank in self.nodes():
+            self.start(index, node_rank)
+
+    def running(self) -> bool:
+        return any(proc.poll() is None for proc in self.current.values())
+
+    def wait(self) -> None:
+        while self.running():
+            time.sleep(0.2)
+
+    def exit_codes(self) -> list[int | None]:
+        return [proc.returncode for proc in self.current.values()]
 
 
 def run_job(cfg: RunConfig) -> dict:
@@ -149,7 +196,7 @@ def run_job(cfg: RunConfig) -> dict:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "results").mkdir(exist_ok=True)
     procs = ProcessGroup(cfg.out_dir)
-    with hosts(cfg) as replica_hosts, etcd_endpoint(cfg, _service_address(replica_hosts)) as (
+    with hosts(cfg) as node_hosts, etcd_endpoint(cfg, _service_address(node_hosts)) as (
             etcd, cluster):
         asyncio.run(_reset_job(etcd, cfg))
         services = ServiceChaos(etcd, cfg.job, cluster)
@@ -160,12 +207,13 @@ def run_job(cfg: RunConfig) -> dict:
                     procs.start, f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
                                                         cfg.job, "--port", str(port),
                                                         "--instance-id", f"c{i}")))
+            agents = NodeAgents(cfg, etcd, node_hosts, procs, os.environ | _checkpoint_env(cfg))
+            for index, node_rank in agents.nodes():
+                if (host := agents.host(index, node_rank)) is not None:
+                    services.add_node(replica_id(index), node_rank, host, functools.partial(
+                        agents.start, index, node_rank))
             services.start()
-            agent_env = os.environ | _checkpoint_env(cfg)
-            agents = [procs.start(f"agent-{replica_id(i)}", _on_host(host, agent_command(
-                          cfg, etcd, i, host=host.address if host else "127.0.0.1")),
-                          env=agent_env)
-                      for i, host in enumerate(replica_hosts)]
+            agents.start_all()
             if cfg.chaos:
                 asyncio.run(_submit_chaos(etcd, cfg))
             started = time.time()
@@ -195,17 +243,18 @@ def chaos_specs(cfg: RunConfig) -> list[ChaosSpec]:
 def check_chaos_fits(cfg: RunConfig) -> None:
     """Refuse, before anything starts, chaos this run could not carry out."""
     actions = {a for spec in chaos_specs(cfg) for a in spec.actions}
-    if "partition" in actions and not cfg.netns:
-        raise ValueError("the partition action needs replicas in network namespaces: "
-                         "add --netns (as root)")
+    if needing := sorted(actions & {"partition", "host-kill", "host-partition"}):
+        if not cfg.netns:
+            raise ValueError(f"the {needing[0]} action needs nodes in network namespaces: "
+                             "add --netns (as root)")
     if "etcd-member-kill" in actions and (cfg.etcd or cfg.etcd_members < 3):
         raise ValueError("etcd-member-kill needs an embedded etcd of 3 members or more: "
                          "add --etcd-members 3 (and no --etcd)")
 
 
-def _service_address(replica_hosts: list[Host | None]) -> str:
-    """Where services listen so that every replica reaches them: the bridge, or loopback."""
-    host = replica_hosts[0] if replica_hosts else None
+def _service_address(node_hosts: list[Host | None]) -> str:
+    """Where services listen so that every node reaches them: the bridge, or loopback."""
+    host = node_hosts[0] if node_hosts else None
     return host.gateway if host is not None else "127.0.0.1"
 
 
@@ -217,22 +266,26 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ftsystem.cli", *args]
 
 
-def agent_command(cfg: RunConfig, etcd: str, index: int, *, host: str = "127.0.0.1"
-                  ) -> list[str]:
-    """The ``ftsystem agent`` command line of replica ``index`` training ``ftsystem.train``."""
+def agent_command(cfg: RunConfig, etcd: str, index: int, *, node_rank: int = 0,
+                  host: str = "127.0.0.1", node_id: str = "") -> list[str]:
+    """The ``ftsystem agent`` command line of node ``node_rank`` of replica ``index``, training
+    ``ftsystem.train`` (``--kill-at`` goes to every node: the replica's last rank acts on it)."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
     train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
              "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args,
              *cfg.replica_args.get(index, [])]
+    node = ["--node-id", node_id] if node_id else []
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
-                "--nproc-per-replica", str(cfg.nproc_per_replica),
+                "--node-rank", str(node_rank), "--nodes", str(cfg.nodes_per_replica),
+                "--nproc-per-node", str(cfg.nproc_per_node), *node,
                 "--timeout", str(cfg.timeout_s), "--host", host, *kills, "--", *train)
 
 
 async def _submit_chaos(etcd: str, cfg: RunConfig) -> None:
     """Once every agent is up (orders name replicas), expand and store the chaos spec."""
     async with Store(etcd) as store:
-        while len((await store.get_prefix(keys.agents(cfg.job)))[0]) < cfg.num_replicas:
+        nodes = cfg.num_replicas * cfg.nodes_per_replica
+        while len((await store.get_prefix(keys.agents(cfg.job)))[0]) < nodes:
             await asyncio.sleep(0.1)
         await submit(store, cfg.job, chaos_specs(cfg), "run", now=time.time())
 
@@ -243,13 +296,14 @@ async def _reset_job(etcd: str, cfg: RunConfig) -> None:
         await store.delete_prefix(keys.job(cfg.job) + "/")
         await store.put_json(keys.spec(cfg.job), {
             "replicas": cfg.num_replicas, "min_replicas": cfg.min_replicas,
-            "num_steps": cfg.num_steps})
+            "num_steps": cfg.num_steps,
+            "replica_ids": [replica_id(i) for i in range(cfg.num_replicas)],
+            "nodes_per_replica": cfg.nodes_per_replica, "nproc_per_node": cfg.nproc_per_node})
 
 
-def _wait_with_progress(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen]) -> None:
+def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents) -> None:
     if not cfg.show_progress:  # nothing to show: reading etcd would only take CPU from training
-        for agent in agents:
-            agent.wait()
+        agents.wait()
         return
     columns = (TextColumn("[bold]{task.description}"), BarColumn(),
                TextColumn("step {task.completed:.0f}/{task.total:.0f} {task.fields[info]}"),
@@ -260,12 +314,12 @@ def _wait_with_progress(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen
             task, completed=max(view["step"], progress.tasks[0].completed), info=view["info"])))
 
 
-async def _follow_progress(job: str, etcd: str, agents: list[subprocess.Popen],
+async def _follow_progress(job: str, etcd: str, agents: NodeAgents,
                            show: Callable[[dict], None]) -> None:
     """Show the job's progress every half second, over one etcd connection, until the agents
     have exited."""
     async with Store(etcd) as store:
-        while any(a.poll() is None for a in agents):
+        while agents.running():
             try:
                 show(await _peek(store, job))
             except StoreError as e:  # the job rides out etcd outages; so does its progress bar
@@ -283,7 +337,7 @@ async def _peek(store: Store, job: str) -> dict:
             "info": f"epoch {epoch['number']} members {members} failures {failures}"}
 
 
-async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
+async def _summarize(cfg: RunConfig, etcd: str, agents: NodeAgents,
                      wall_s: float) -> dict:
     async with Store(etcd) as store:
         items, _ = await store.get_prefix(keys.failures(cfg.job))
@@ -298,7 +352,7 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: list[subprocess.Popen],
         results[result["replica"]] = result
     timeline.draw(results, failures, cfg.out_dir / "timeline.png")
     return summarize(results, failures, wall_s=wall_s, num_replicas=cfg.num_replicas,
-                     agent_exit_codes=[a.returncode for a in agents]) | {
+                     agent_exit_codes=agents.exit_codes()) | {
         "chaos": sorted((json.loads(v) for v in orders.values()), key=lambda o: o["at"])}
 
 

@@ -47,6 +47,12 @@ def netns_supported() -> str | None:
     return None
 
 
+def namespace_pids(name: str) -> list[int]:
+    """Every process running in network namespace ``name``."""
+    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
 def default_subnet(name: str) -> ipaddress.IPv4Network:
     """A /24 in 10.0.0.0/8 derived from the network's name, so two networks rarely collide."""
     digest = zlib.crc32(name.encode())

@@ -103,7 +103,7 @@ def init_replica_group() -> int:
     GPU, Gloo on CPU.
     """
     use_device(local_device())  # before the group: NCCL binds communicators to it
-    size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    size = int(os.environ.get("WORLD_SIZE", "1"))  # every node's ranks of the replica
     if size > 1 and not dist.is_initialized():
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return size

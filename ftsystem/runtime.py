@@ -18,11 +18,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Coroutine, TypeVar
 
 from ftsystem import keys
 from ftsystem.membership import Epoch, Registration, ReplicaState
-from ftsystem.store import Store
+from ftsystem.store import Store, StoreError
 
 T = TypeVar("T")
 
@@ -31,12 +32,17 @@ ENV_JOB = "FTSYSTEM_JOB"
 ENV_REPLICA = "FTSYSTEM_REPLICA_ID"
 ENV_GENERATION = "FTSYSTEM_GENERATION"
 ENV_LEASE = "FTSYSTEM_LEASE_ID"
+ENV_LEASE_FILE = "FTSYSTEM_LEASE_FILE"
 ENV_HEARTBEAT = "FTSYSTEM_HEARTBEAT"
 ENV_HOST = "FTSYSTEM_HOST"
 ENV_TIMEOUT = "FTSYSTEM_TIMEOUT_S"
 ENV_KILL_AT = "FTSYSTEM_KILL_AT"
 DEFAULT_TIMEOUT_S = 30.0
 HEARTBEAT_S = 0.5
+PROGRESS_INTERVAL_S = 1.0
+"""Step progress reaches etcd at most this often per replica (only its rank 0 writes it), so
+etcd's write rate grows with the replicas, not with the step rate, the nodes or the ranks."""
+LEASE_WAIT_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,10 +52,15 @@ class ReplicaContext:
     replica_id: str
     generation: int
     lease_id: int
+    lease_file: str
+    """Where the agent writes the replica lease when an etcd outage outlived the first one."""
     heartbeat_path: str
     host: str
-    local_rank: int
-    local_world_size: int
+    rank: int
+    """This process's rank among its replica's ranks (``RANK``; node rank × ranks per node +
+    ``LOCAL_RANK``): the shard it holds and all-reduces with rank ``rank`` of the others."""
+    world_size: int
+    """The replica's ranks on all its nodes (``WORLD_SIZE``)."""
     timeout_s: float
     """The one timeout users set: collectives and rendezvous give up after it."""
 
@@ -63,10 +74,11 @@ class ReplicaContext:
         return cls(etcd=env[ENV_ETCD], job=keys.check_id("job", env[ENV_JOB]),
                    replica_id=keys.check_id("replica", env[ENV_REPLICA]),
                    generation=int(env.get(ENV_GENERATION, "0")), lease_id=int(env[ENV_LEASE]),
+                   lease_file=env.get(ENV_LEASE_FILE, ""),
                    heartbeat_path=env.get(ENV_HEARTBEAT, ""),
                    host=env.get(ENV_HOST, "127.0.0.1"),
-                   local_rank=int(env.get("LOCAL_RANK", "0")),
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
+                   rank=int(env.get("RANK", "0")),
+                   world_size=int(env.get("WORLD_SIZE", "1")),
                    timeout_s=float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)))
 
 
@@ -146,11 +158,14 @@ class ControlPlane:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx = ctx
         self._bg = BackgroundLoop()
-        self._store = Store(ctx.etcd)
+        # Waits ride out an etcd outage as long as the job's timeout: training goes on meanwhile.
+        self._store = Store(ctx.etcd, retry_deadline_s=ctx.timeout_s)
         self._epoch: Epoch | None = None
         self._changed = threading.Condition()
         self._registration: Registration | None = None
         self._pending_report: Future | None = None
+        self._last_report = 0.0
+        self._lease_used = ctx.lease_id
         self._write_lock: asyncio.Lock | None = None  # created on the background loop
         self._bg.run(self._store.connect())
         # The first read of the epoch happens before the constructor returns: callers decide
@@ -188,7 +203,7 @@ class ControlPlane:
     @property
     def speaks_for_replica(self) -> bool:
         """Rank 0 alone publishes the replica's registration; the other ranks only follow."""
-        return self.ctx.local_rank == 0
+        return self.ctx.rank == 0
 
     def register(self, **changes: Any) -> None:
         """Publish this replica's registration (bound to the agent's lease), waiting for it."""
@@ -196,11 +211,25 @@ class ControlPlane:
             self._bg.run(self._put_registration(changes), timeout=self.ctx.timeout_s)
 
     def report(self, **changes: Any) -> None:
-        """Publish without waiting (step progress); skipped while the previous one is in flight."""
+        """Publish without waiting (step progress), at most every ``PROGRESS_INTERVAL_S`` unless
+        the replica lease changed; skipped while the previous one is in flight."""
         if not self.speaks_for_replica:
             return
+        now = time.monotonic()
+        if now - self._last_report < PROGRESS_INTERVAL_S and self._lease() == self._lease_used:
+            return
         if self._pending_report is None or self._pending_report.done():
+            self._last_report = now
             self._pending_report = self._bg.submit(self._put_registration(changes))
+
+    def _lease(self) -> int:
+        """The replica lease now: the agent replaces it when an etcd outage outlived it."""
+        if self.ctx.lease_file:
+            try:
+                return int(Path(self.ctx.lease_file).read_text())
+            except (OSError, ValueError):
+                pass  # not written (yet): the first one holds
+        return self.ctx.lease_id
 
     async def _put_registration(self, changes: dict[str, Any]) -> None:
         # Concurrent puts may reach etcd in any order: a late step report could overwrite
@@ -211,8 +240,24 @@ class ControlPlane:
                 replica_id=self.ctx.replica_id, state=ReplicaState.STARTING,
                 generation=self.ctx.generation, host=self.ctx.host, pid=os.getpid())
             self._registration = dataclasses.replace(base, **changes)
-            await self._store.put(keys.replica(self.ctx.job, self.ctx.replica_id),
-                                  self._registration.to_json(), lease=self.ctx.lease_id)
+            await self._put_on_lease(self._registration)
+
+    async def _put_on_lease(self, registration: Registration) -> None:
+        """Put the registration on the replica lease; if an outage outlived the lease, wait
+        (up to the timeout) for the agent's replacement and put it on that."""
+        deadline = time.monotonic() + self.ctx.timeout_s
+        while True:
+            lease = self._lease()
+            value = dataclasses.replace(registration, lease=lease).to_json()
+            try:
+                await self._store.put(keys.replica(self.ctx.job, self.ctx.replica_id), value,
+                                      lease=lease)
+                self._lease_used = lease
+                return
+            except StoreError as e:
+                if "lease not found" not in str(e) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(LEASE_WAIT_S)
 
     def get_json(self, key: str) -> Any:
         return self._bg.run(self._store.get_json(key), timeout=self.ctx.timeout_s)

@@ -1,10 +1,15 @@
-"""Chaos against the services of a job run by ``ftsystem run``: its controllers and etcd.
+"""Chaos against what ``ftsystem run`` started: its controllers, etcd, and its hosts.
 
 Replica actions are the agents' business; ``controller-kill`` and ``etcd-member-kill`` orders
 target no replica, so the process that started the services executes them: it SIGKILLs the
 leading controller (or the etcd member that leads the Raft group), keeps it down for the order's
 duration, and starts it again as a Deployment or a StatefulSet would. Training must not notice
 more than a short pause of membership changes.
+
+Host orders hit one node of a replica as a machine fails: ``host-kill`` SIGKILLs every process
+in the node's network namespace at once, the agent included (nothing is left to report it),
+and after the order's duration starts the node's agent again, as a rebooted host would;
+``host-partition`` takes the node's link down for the duration while its processes live on.
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import subprocess
 import threading
 import urllib.request
 from typing import Callable
 
 from ftsystem import keys
-from ftsystem.chaos import SERVICE_ACTIONS, Order
+from ftsystem.chaos import HOST_ACTIONS, SERVICE_ACTIONS, Order
 from ftsystem.chaos_executor import ChaosActionError, OrderExecutor
 from ftsystem.etcd_server import EmbeddedEtcd, EtcdCluster
+from ftsystem.netns import Host, namespace_pids
 from ftsystem.procs import kill_and_reap
 from ftsystem.store import Store
 
@@ -33,6 +41,7 @@ class ServiceChaos:
     def __init__(self, etcd: str, job: str, cluster: EtcdCluster | None) -> None:
         self.etcd, self.job, self.cluster = etcd, job, cluster
         self.controllers: dict[str, tuple[Callable[[], subprocess.Popen], subprocess.Popen]] = {}
+        self.nodes: dict[tuple[str, int], tuple[Host, Callable[[], None]]] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
@@ -40,6 +49,11 @@ class ServiceChaos:
     def add_controller(self, instance_id: str, start: Callable[[], subprocess.Popen]) -> None:
         """Register (and start) a controller instance; ``start`` is called again on restart."""
         self.controllers[instance_id] = (start, start())
+
+    def add_node(self, replica_id: str, node_rank: int, host: Host,
+                 restart: Callable[[], None]) -> None:
+        """A node host orders may hit; ``restart`` starts its agent again after a host-kill."""
+        self.nodes[(replica_id, node_rank)] = (host, restart)
 
     def start(self) -> None:
         ready = threading.Event()
@@ -68,13 +82,15 @@ class ServiceChaos:
         async with Store(self.etcd) as store:
             self._store = store
             executor = OrderExecutor(store, self.job, act=self._act,
-                                     mine=lambda order: order.action in SERVICE_ACTIONS)
+                                     mine=lambda order: order.action in SERVICE_ACTIONS + HOST_ACTIONS)
             try:
                 await executor.run()
             finally:
                 await executor.stop()
 
     async def _act(self, order: Order) -> str:
+        if order.action in HOST_ACTIONS:
+            return await self._hit_host(order)
         if order.action == "controller-kill":
             return await self._kill_controller(order.duration_s)
         return await self._kill_etcd_member(order.duration_s)
@@ -89,6 +105,28 @@ class ServiceChaos:
         await asyncio.sleep(down_s)
         self.controllers[leader] = (start, start())
         return f"SIGKILL to leading controller {leader}; restarted after {down_s:g}s"
+
+    async def _hit_host(self, order: Order) -> str:
+        node = self.nodes.get((order.replica, order.node))
+        if node is None:
+            raise ChaosActionError(f"node {order.node} of replica {order.replica} is not a host "
+                                   "of this run (host actions need ftsystem run --netns)")
+        host, restart = node
+        if order.action == "host-partition":
+            await asyncio.to_thread(host.partition)
+            await asyncio.sleep(order.duration_s)
+            await asyncio.to_thread(host.heal)
+            return f"host {host.name} cut off for {order.duration_s:g}s"
+        pids = await asyncio.to_thread(namespace_pids, host.name)
+        for pid in pids:  # one loop of kill(2): the processes die within microseconds
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        await asyncio.sleep(order.duration_s)
+        await asyncio.to_thread(restart)
+        return f"SIGKILL to all {len(pids)} processes of host {host.name}; " \
+               f"rebooted after {order.duration_s:g}s"
 
     async def _kill_etcd_member(self, down_s: float) -> str:
         if self.cluster is None or len(self.cluster.members) < 3:

@@ -161,6 +161,12 @@ class Store:
         value = await self.get(key)
         return None if value is None else json.loads(value)
 
+    async def get_versioned(self, key: str) -> tuple[bytes | None, int]:
+        """The value of ``key`` and its mod revision (0 when absent), for
+        :meth:`put_if_unchanged`."""
+        result = await self._retry(lambda: self._ensure_client().get(key.encode()))
+        return (None, 0) if result is None else (result.value, result.mod_revision)
+
     async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
         """All keys under ``prefix`` and the store revision they were read at."""
         async def op() -> tuple[dict[str, bytes], int]:
@@ -203,6 +209,15 @@ class Store:
             [client.transactions.value(guard_key.encode()) == _bytes(guard_value)],
             [client.transactions.put(key.encode(), _bytes(value))])
 
+    async def put_if_unchanged(self, key: str, mod_revision: int, value: bytes | str, *,
+                               lease: int | None = None) -> bool:
+        """Write ``key`` only if it was not written since ``mod_revision`` (0: only if absent),
+        as read by :meth:`get_versioned`; True if this call wrote it."""
+        client = self._ensure_client()
+        return await self._txn(
+            [client.transactions.mod(key.encode()) == mod_revision],
+            [client.transactions.put(key.encode(), _bytes(value), lease=lease)])
+
     async def _txn(self, compare: list, success: list) -> bool:
         async def op() -> bool:
             ok, _ = await self._ensure_client().transaction(
@@ -234,15 +249,29 @@ class Store:
             if "not found" not in str(e):  # already gone: the outcome wanted
                 raise
 
-    async def keep_alive(self, lease_id: int, ttl_s: int) -> None:
-        """Refresh ``lease_id`` every third of its TTL until cancelled.
+    async def lease_ttl(self, lease_id: int) -> tuple[int, int] | None:
+        """``(remaining, granted)`` seconds of ``lease_id``, remaining truncated to whole seconds
+        as etcd reports it; None when the lease does not exist (revoked, or expired)."""
+        try:
+            reply = await self._retry(
+                lambda: self._ensure_client().get_lease_info(lease_id, keys=False))
+        except StoreError as e:
+            if isinstance(e, StoreUnavailableError) or "not found" not in str(e):
+                raise
+            return None
+        # etcd answers TTL -1 for a lease it does not know, and for one expired over a second
+        # ago that awaits revocation.
+        return None if reply.TTL < 0 else (reply.TTL, reply.grantedTTL)
+
+    async def keep_alive(self, lease_id: int, ttl_s: int, every_s: float | None = None) -> None:
+        """Refresh ``lease_id`` every third of its TTL (or ``every_s``) until cancelled.
 
         An outage longer than the retry deadline does not end it: it keeps trying, because the
         lease may survive (etcd extends leases across a leader change). Raises
         :class:`LeaseLostError` once etcd answers that the lease is gone.
         """
         while True:
-            await asyncio.sleep(ttl_s / 3)
+            await asyncio.sleep(every_s or ttl_s / 3)
             try:
                 await self.refresh(lease_id)
             except StoreUnavailableError as e:

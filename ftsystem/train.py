@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     if args.loop == "plain":
         ft = FTReplica(model, optimizer, overlap=overlap)
-        shard = args.data_shard * ft.ctx.local_world_size + ft.ctx.local_rank
+        shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
         batches = (language.batch(shard=shard, step=ft.step, batch_size=args.batch_size,
                                   seq_len=cfg.seq_len) for _ in itertools.count())
     else:
@@ -151,7 +151,7 @@ def data_loader(language: MarkovLanguage, cfg: ModelConfig, args: argparse.Names
                 ft: FTReplica) -> StatefulDataLoader:
     """This rank's shard, shuffled; the shuffle's seed is the job's, so every replica's loader
     holds the same state (its position) at equal steps, while each reads its own shard."""
-    shard = args.data_shard * ft.ctx.local_world_size + ft.ctx.local_rank
+    shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
     dataset = MarkovBatches(language, shard=shard, num_batches=max(64, args.steps),
                             batch_size=args.batch_size, seq_len=cfg.seq_len)
     return StatefulDataLoader(dataset, batch_size=None, shuffle=True,
@@ -193,7 +193,7 @@ def _progress_file(ft: FTReplica, args: argparse.Namespace) -> int | None:
     The result JSON holds the last generation's commits only; ETTR needs all of them. One
     ``write`` per line on an append-only descriptor: a kill never leaves half a line.
     """
-    if args.out is None or ft.ctx.local_rank != 0:
+    if args.out is None or ft.ctx.rank != 0:
         return None
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{ft.ctx.replica_id}.commits"
@@ -220,7 +220,7 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
     evaluated = eval_loss(model, language)  # a forward of a sharded model needs every rank
     shard_hashes = ft.replica.gather(ft.state_hash())
     shard_catchup = [json.loads(s) for s in ft.replica.gather(json.dumps(ft.catchup_stats))]
-    if ft.ctx.local_rank != 0:
+    if ft.ctx.rank != 0:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"replica": ft.ctx.replica_id, "generation": ft.ctx.generation, "step": ft.step,

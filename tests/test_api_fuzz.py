@@ -44,7 +44,7 @@ async def _job_with_replicas(etcd_url: str, job: str) -> None:
     async with Store(etcd_url) as store:
         await store.put_json(keys.spec(job), {"replicas": 2, "min_replicas": 1})
         for rid in ("a", "b"):
-            await store.put_json(keys.agent(job, rid), {"generation": 0, "host": "127.0.0.1"})
+            await store.put_json(keys.agent(job, rid, 0), {"generation": 0, "host": "127.0.0.1"})
             lease = await store.grant(120)
             reg = Registration(replica_id=rid, state=ReplicaState.READY, generation=0,
                                step=3, metrics_addr="127.0.0.1:9")

@@ -170,7 +170,7 @@ def secured_controller(etcd, job_id, tmp_path):
 def test_chaos_api_needs_the_token_and_validates(secured_controller, etcd, job_id):
     async def register_agent():
         async with Store(etcd.url) as store:
-            await store.put_json(keys.agent(job_id, "r0"), {"host": "127.0.0.1"})
+            await store.put_json(keys.agent(job_id, "r0", 0), {"host": "127.0.0.1"})
     asyncio.run(register_agent())
     url = f"{secured_controller}/v1/jobs/{job_id}/chaos"
     spec = {"action": "hang", "duration": "1s", "schedule": "@every 1h", "horizon": "1h"}

@@ -28,7 +28,7 @@ def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_pat
     """))
     # With 2 ranks per replica, each replica's checkpoint holds both FSDP2 shards, written
     # and read collectively by its ranks.
-    cfg = RunConfig(num_replicas=2, nproc_per_replica=ranks, num_steps=150,
+    cfg = RunConfig(num_replicas=2, nproc_per_node=ranks, num_steps=150,
                     out_dir=tmp_path / "run",
                     train_args=["--sleep-per-step", "0.05"], timeout_s=15, show_progress=False,
                     chaos=kill_everyone, checkpoint_every=EVERY)

@@ -11,6 +11,7 @@ with docker/prometheus.yml. Only addresses, ports, paths and intervals are subst
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -42,8 +43,14 @@ TARGETS = {"controller": ["ftsystem", "controller"], "agent": ["ftsystem", "agen
 CONTROLLER_LEAVES_OUT = {"torch", "torchft", "torchdata"}
 API_VERSIONS = {"Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "StatefulSet": "apps/v1",
                 "Deployment": "apps/v1", "Job": "batch/v1", "PodDisruptionBudget": "policy/v1"}
-POD_FIELDS = {"metadata.name": "ftsystem-controller-7d4b9c8f6d-x2x7k", "status.podIP": "10.1.2.3"}
+POD_FIELDS = {"metadata.name": "ftsystem-controller-7d4b9c8f6d-x2x7k", "status.podIP": "10.1.2.3",
+              "spec.nodeName": "gpu-node-7"}
 """Sample values of the downward API fields the manifests use."""
+KUBERNETES_VERSIONS = ("1.29", "1.34")
+"""The manifests' schemas: the oldest Kubernetes whose Jobs have every field the agents' Jobs use
+(backoffLimitPerIndex, podReplacementPolicy: beta, on by default), and the first where they are
+all GA."""
+SLURM = DOCKER / "slurm"
 
 
 # --- Dockerfile -------------------------------------------------------------------------------
@@ -591,22 +598,154 @@ def test_k8s_selectors_match_pod_templates():
         assert service["spec"]["publishNotReadyAddresses"] is True
 
 
-def test_k8s_agents_are_an_indexed_job():
-    (job,) = k8s("Job")
-    spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] >= 1
+# The agents: one Indexed Job per replica (docker/k8s/render_replicas.py writes agents.yaml).
+
+def render_script():
+    """docker/k8s/render_replicas.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location("render_replicas", K8S / "render_replicas.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_k8s_agents_manifest_is_what_the_script_renders():
+    assert (K8S / "agents.yaml").read_text() == render_script().render(), \
+        "docker/k8s/agents.yaml is stale: python docker/k8s/render_replicas.py > " \
+        "docker/k8s/agents.yaml"
+
+
+def test_k8s_one_indexed_job_per_replica():
+    jobs = k8s("Job")
+    defaults = render_script().DEFAULTS
+    assert len(jobs) == defaults["replicas"] >= 2
+    replicas = [check_replica_job(job) for job in jobs]
+    assert sorted(replicas) == [f"r{i}" for i in range(len(jobs))], replicas
+
+
+def test_k8s_rendered_jobs_follow_the_options():
+    script = render_script()
+    jobs = [d for d in yaml.safe_load_all(script.render(replicas=3, nodes=4, nproc_per_node=4,
+                                                        shm_gi=8, memory_gi=32)) if d]
+    assert [check_replica_job(job) for job in jobs] == ["r0", "r1", "r2"]
+    for job in jobs:
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        assert option(container["args"], "--nodes") == "4"
+        assert container["resources"]["limits"] == {"memory": "40Gi", "nvidia.com/gpu": "4"}
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate(job, version)
+    with pytest.raises(TypeError, match="unknown option"):
+        script.render(gpus=2)
+    done = subprocess.run([sys.executable, str(K8S / "render_replicas.py"), "--nodes", "0"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "not a positive integer" in done.stderr, done.stderr
+
+
+def check_replica_job(job: dict) -> str:
+    """Asserts what makes a Job one replica's node group; returns the replica id."""
+    spec, name = job["spec"], job["metadata"]["name"]
     pod = spec["template"]["spec"]
-    assert pod["restartPolicy"] == "Never"
     (container,) = pod["containers"]
     args = container["args"]
-    assert "$(JOB_COMPLETION_INDEX)" in option(args, "--replica-id")
-    assert option(args, "--data-shard") == "$(JOB_COMPLETION_INDEX)"
-    assert option(args, "--host") == "$(POD_IP)"
+    replica, nodes = option(args, "--replica-id"), int(option(args, "--nodes"))
+    assert job["metadata"]["labels"]["ftsystem/replica"] == replica, name
+    assert spec["template"]["metadata"]["labels"]["ftsystem/replica"] == replica, name
+    # All N nodes of the replica at once, pod k on node rank k.
+    assert spec["completionMode"] == "Indexed", name
+    assert spec["completions"] == spec["parallelism"] == nodes, name
+    assert option(args, "--node-rank") == "$(JOB_COMPLETION_INDEX)", name
+    assert "--spare" not in args, name
+    assert option(args, "--host") == "$(POD_IP)" and option(args, "--node-id") == "$(NODE_NAME)"
     env = {e["name"]: e.get("valueFrom", {}) for e in container["env"]}
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["JOB_COMPLETION_INDEX"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    # Replica r<i> reads data shard i.
+    command = args[args.index("--") + 1:]
+    assert option(command, "--data-shard") == replica.removeprefix("r"), name
+    check_failure_policy(spec, container["name"])
+    assert pod["restartPolicy"] == "Never", name  # podFailurePolicy requires it
+    check_gpus_and_shm(pod, container, int(option(args, "--nproc-per-node")))
+    check_one_agent_per_node(pod, spec["template"]["metadata"]["labels"])
+    return replica
+
+
+def check_failure_policy(spec: dict, container: str) -> None:
+    assert spec.get("backoffLimitPerIndex", spec.get("backoffLimit", 0)) >= 1
+    if "backoffLimitPerIndex" in spec:
+        # A node rank out of retries ends the Job: its other pods would wait for it forever.
+        assert spec["maxFailedIndexes"] == 0
+    assert spec["podReplacementPolicy"] == "Failed"  # never two agents on one node rank
+    rules = spec["podFailurePolicy"]["rules"]
+    disruption = next(r for r in rules if "onPodConditions" in r)
+    assert disruption["action"] == "Ignore"
+    assert {"type": "DisruptionTarget", "status": "True"} in disruption["onPodConditions"]
+    by_exit = {code: r["action"] for r in rules if "onExitCodes" in r
+               for code in r["onExitCodes"]["values"]}
+    assert by_exit[3] == "FailJob"  # the job halted: every retry would halt again
+    assert 0 not in by_exit  # a finished replica completes its index as usual
+    assert all(r["onExitCodes"] == r["onExitCodes"] | {"containerName": container,
+                                                       "operator": "In"}
+               for r in rules if "onExitCodes" in r)
+
+
+def check_gpus_and_shm(pod: dict, container: dict, nproc_per_node: int) -> None:
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == str(nproc_per_node)  # one GPU per rank
+    assert "nvidia.com/gpu" not in resources.get("requests", {})  # defaults to the limit
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    shm = volume["emptyDir"]
+    assert shm["medium"] == "Memory" and re.fullmatch(r"[1-9]\d*Gi", shm["sizeLimit"]), shm
+    # tmpfs pages are charged to the container: its memory limit makes room for them.
+    assert gib(resources["limits"]["memory"]) == \
+        gib(resources["requests"]["memory"]) + gib(shm["sizeLimit"])
+
+
+def gib(quantity: str) -> int:
+    return int(quantity.removesuffix("Gi"))
+
+
+def check_one_agent_per_node(pod: dict, labels: dict) -> None:
+    """--node-id is the node's name: two agents on one node would claim the same node."""
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["labelSelector"]["matchLabels"]
+    assert selector.items() <= labels.items() and "ftsystem/replica" not in selector
+
+
+# --- schemas: every manifest against pinned Kubernetes versions' OpenAPI schemas ---------------
+
+def kubernetes_validate(doc: dict, version: str) -> None:
+    """Strict validation (unknown fields are errors) with the schemas kubernetes-validate ships
+    (nothing is downloaded)."""
+    import kubernetes_validate as kv
+    from kubernetes_validate.utils import all_versions
+    assert f"{version}.0" in all_versions(), \
+        f"kubernetes-validate {kv.version.__version__} lacks the {version} schemas: " \
+        f"pip install 'kubernetes-validate>=1.34'"
+    try:
+        kv.validate(doc, version, strict=True)
+    except kv.ValidationError as e:
+        where = ".".join(str(p) for p in e.path)
+        raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']} is not valid "
+                             f"Kubernetes {version}: {where}: {e.message}") from None
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_k8s_manifests_validate_against_the_schemas(version):
+    for doc in k8s_documents():
+        kubernetes_validate(doc, version)
+
+
+def test_k8s_schema_validation_rejects_unknown_fields():
+    """The strict schemas are what catches a misspelt field (which kubectl would drop)."""
+    job = k8s("Job")[0]
+    pod = job["spec"]["template"]["spec"]
+    typo = job | {"spec": job["spec"] | {"template": {"metadata": {}, "spec": pod | {
+        "restartPolicyy": "Never"}}}}
+    with pytest.raises(AssertionError, match="restartPolicyy"):
+        kubernetes_validate(typo, KUBERNETES_VERSIONS[-1])
 
 
 def expand(args: list[str], container: dict, pod_fields: dict[str, str]) -> list[str]:
@@ -626,7 +765,7 @@ def expand(args: list[str], container: dict, pod_fields: dict[str, str]) -> list
     return expanded
 
 
-def test_k8s_commands_are_ftsystem_commands(monkeypatch):
+def test_k8s_controller_command_is_an_ftsystem_command(monkeypatch):
     (deployment,) = k8s("Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert deployment["spec"]["replicas"] >= 2
@@ -642,18 +781,28 @@ def test_k8s_commands_are_ftsystem_commands(monkeypatch):
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"]
                   if v["name"] == mount["name"])
     assert volume["secret"]["secretName"] and "optional" not in volume["secret"]
-    (job,) = k8s("Job")
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    entrypoint = image_argv(container["image"].split(":")[0].removeprefix("ftsystem-"))[0]
-    replicas = {}
-    for index in range(job["spec"]["completions"]):
-        fields = POD_FIELDS | {
-            "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index)}
-        started = check_command(entrypoint + expand(container["args"], container, fields),
-                                monkeypatch)
-        assert (started["cfg"].job, started["cfg"].etcd) == (started_job(), etcd_endpoints())
-        replicas[started["cfg"].replica_id] = started["train"].data_shard
-    assert sorted(replicas.values()) == list(range(job["spec"]["completions"])), replicas
+
+
+def test_k8s_agent_commands_are_ftsystem_commands(monkeypatch):
+    shards = {}
+    for job in k8s("Job"):
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        entrypoint = image_argv(container["image"].split(":")[0].removeprefix("ftsystem-"))[0]
+        for index in range(job["spec"]["completions"]):
+            fields = POD_FIELDS | {
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index)}
+            argv = entrypoint + expand(container["args"], container, fields)
+            started = check_command(argv, monkeypatch)
+            cfg = started["cfg"]
+            assert (cfg.job, cfg.etcd) == (started_job(), etcd_endpoints())
+            assert (cfg.replica_id, cfg.node_rank, cfg.nodes) == (
+                job["metadata"]["labels"]["ftsystem/replica"], index, job["spec"]["completions"])
+            assert (cfg.host, cfg.node_id) == (POD_FIELDS["status.podIP"],
+                                               POD_FIELDS["spec.nodeName"])
+            shards.setdefault(cfg.replica_id, set()).add(started["train"].data_shard)
+    # Every node of a replica reads the replica's shard; replicas read distinct ones.
+    assert all(len(s) == 1 for s in shards.values()), shards
+    assert sorted(s.pop() for s in shards.values()) == list(range(len(shards))), shards
 
 
 def started_job() -> str:
@@ -702,3 +851,168 @@ def test_kustomize_builds_the_manifests():
     namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
     assert all(d["metadata"].get("namespace") == namespace for d in built
                if d["kind"] != "Namespace")
+
+
+# --- Slurm ------------------------------------------------------------------------------------
+# No Slurm here: the scripts run with Slurm's environment set by hand, a fake srun that runs the
+# step's command once per node (SLURM_NODEID 0..N-1), and a fake `ftsystem agent` that records
+# its command line, which then goes through the real CLI.
+
+SBATCH = SLURM / "ftsystem.sbatch"
+NODE_SCRIPT = SLURM / "ftsystem-node.sh"
+FAKE_SRUN = """#!/usr/bin/env bash
+printf '%s\\n' "$@" >"$SRUN_ARGS"
+nodes=
+while [[ $1 == -* ]]; do
+    case $1 in --nodes=*) nodes=${1#--nodes=} ;; esac
+    shift
+done
+for ((i = 0; i < nodes; i++)); do
+    SLURM_NODEID=$i FTSYSTEM=$FAKE_AGENT "$@" || exit
+done
+"""
+FAKE_AGENT = """#!{python}
+import json, os, sys
+with open(os.path.join(os.environ["AGENT_ARGV"], os.environ["SLURM_NODEID"] + ".json"), "w") as f:
+    json.dump(sys.argv[1:], f)
+"""
+
+
+def test_slurm_scripts_are_valid_bash():
+    for script in (SBATCH, NODE_SCRIPT):
+        done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{script.name}: {done.stderr}"
+        assert os.access(script, os.X_OK), f"{script.name} is not executable"
+
+
+def test_slurm_scripts_pass_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian: apt-get install shellcheck)")
+    done = subprocess.run(["shellcheck", "--shell=bash", str(SBATCH), str(NODE_SCRIPT)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def sbatch_directives() -> list[str]:
+    """The #SBATCH options: sbatch reads them up to the first line that is not a comment."""
+    options = []
+    for line in SBATCH.read_text().splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH "):
+            options += line.split()[1:]
+    return options
+
+
+def test_sbatch_keeps_the_allocation_when_a_node_dies():
+    directives = sbatch_directives()
+    assert "--no-kill" in directives
+    assert "--ntasks-per-node=1" in directives
+    assert any(d.startswith("--gpus-per-node=") for d in directives), directives
+    nodes = next(int(d.split("=")[1]) for d in directives if d.startswith("--nodes="))
+    assert nodes == 2 * 2  # the default 2 replicas x NODES_PER_REPLICA=2
+    # The node script derives the replica and the node rank from the node's place in the step.
+    text = NODE_SCRIPT.read_text()
+    assert "SLURM_NODEID / slots" in text and "SLURM_NODEID % slots" in text
+
+
+def fake_slurm(tmp_path: Path, **env: str) -> dict[str, str]:
+    """The environment of a batch script in a 4-node allocation, with the fake srun first on
+    PATH and AGENT_ARGV where the fake agents write their command lines."""
+    bin_dir, argv_dir = tmp_path / "bin", tmp_path / "agents"
+    bin_dir.mkdir()
+    argv_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("fake-agent",
+                                               FAKE_AGENT.format(python=sys.executable))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "4", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_GPUS_PER_NODE": "h100:8",
+        "SLURM_CPUS_ON_NODE": "96", "OUT_DIR": str(tmp_path / "out"), "TMPDIR": str(tmp_path),
+        "SRUN_ARGS": str(tmp_path / "srun-args"), "FAKE_AGENT": str(bin_dir / "fake-agent"),
+        "AGENT_ARGV": str(argv_dir), "ADVERTISE_ADDRESS": "10.9.8.7"} | env
+
+
+def agent_argvs(env: dict[str, str]) -> list[list[str]]:
+    paths = sorted(Path(env["AGENT_ARGV"]).glob("*.json"), key=lambda p: int(p.stem))
+    return [["ftsystem", *json.loads(p.read_text())] for p in paths]
+
+
+def run_sbatch(env: dict[str, str], *program: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", str(SBATCH), *program], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_sbatch_starts_one_agent_per_node(tmp_path, monkeypatch):
+    env = fake_slurm(tmp_path, ETCD_ENDPOINTS="http://etcd.example:2379", START_CONTROLLER="0")
+    run_sbatch(env)
+    srun = Path(env["SRUN_ARGS"]).read_text().splitlines()
+    assert {"--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1", "--nodes=4",
+            "--cpus-per-task=96"} <= set(srun), srun
+    places = []
+    for node, argv in enumerate(agent_argvs(env)):
+        cfg = check_command(argv, monkeypatch)
+        started, train = cfg["cfg"], cfg["train"]
+        assert (started.etcd, started.job) == ("http://etcd.example:2379", "slurm-4242")
+        assert (started.nodes, started.nproc_per_node) == (2, 8)  # 8 from "h100:8"
+        assert (started.host, started.node_id) == ("10.9.8.7", option(argv, "--node-id"))
+        assert train.data_shard == int(started.replica_id.removeprefix("r"))
+        assert str(train.out).startswith(env["OUT_DIR"])
+        places.append((started.replica_id, started.node_rank))
+    assert places == [("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1)]
+
+
+def test_sbatch_places_spares_and_runs_your_program(tmp_path, monkeypatch):
+    env = fake_slurm(tmp_path, ETCD_ENDPOINTS="http://etcd.example:2379", START_CONTROLLER="0",
+                     SLURM_JOB_NUM_NODES="6", SPARES_PER_REPLICA="1")
+    run_sbatch(env, "python", "-m", "ftsystem.train", "--data-shard", "{replica}", "--steps", "9")
+    places = []
+    for argv in agent_argvs(env):
+        cfg = check_command(argv, monkeypatch)
+        started, train = cfg["cfg"], cfg["train"]
+        assert train.steps == 9
+        assert train.data_shard == int(started.replica_id.removeprefix("r"))
+        places.append((started.replica_id, "--spare" if "--spare" in argv else started.node_rank))
+    assert places == [("r0", 0), ("r0", 1), ("r0", "--spare"),
+                      ("r1", 0), ("r1", 1), ("r1", "--spare")]
+
+
+def test_sbatch_refuses_a_node_count_that_is_no_whole_replicas(tmp_path):
+    env = fake_slurm(tmp_path, ETCD_ENDPOINTS="http://etcd.example:2379", START_CONTROLLER="0",
+                     SLURM_JOB_NUM_NODES="5")
+    done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "do not make whole replicas" in done.stderr, done.stderr
+    assert not Path(env["SRUN_ARGS"]).exists()
+
+
+def test_slurm_node_script_advertises_a_non_loopback_address(tmp_path):
+    env = fake_slurm(tmp_path) | {"SLURM_NODEID": "0"}
+    del env["ADVERTISE_ADDRESS"]
+    done = subprocess.run(["bash", str(NODE_SCRIPT), "--address"], env=env, capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode != 0 and "no non-loopback" in done.stderr:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    assert done.returncode == 0, done.stderr
+    address = done.stdout.strip()
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", address) and not address.startswith("127."), address
+
+
+@pytest.mark.slow
+def test_sbatch_serves_etcd_and_the_controller_on_the_batch_node(tmp_path):
+    """Without ETCD_ENDPOINTS the script starts etcd and a controller, waits for both to answer,
+    and stops them when the agents are done."""
+    ports = {name: str(free_port()) for name in ("ETCD_PORT", "ETCD_PEER_PORT", "CONTROLLER_PORT")}
+    env = fake_slurm(tmp_path, ADVERTISE_ADDRESS="127.0.0.1", **ports)
+    env["ETCD"] = etcd_binary()
+    done = run_sbatch(env)
+    assert f"API http://127.0.0.1:{ports['CONTROLLER_PORT']}/v1/jobs/slurm-4242" in done.stderr
+    for argv in agent_argvs(env):
+        assert option(argv, "--etcd") == f"http://127.0.0.1:{ports['ETCD_PORT']}"
+    token = Path(env["OUT_DIR"]) / "api-token"
+    assert token.stat().st_mode & 0o077 == 0 and len(token.read_text()) == 32
+    assert _get(f"http://127.0.0.1:{ports['CONTROLLER_PORT']}/healthz") is None  # stopped
+    assert not etcd_healthy(f"127.0.0.1:{ports['ETCD_PORT']}")

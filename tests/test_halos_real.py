@@ -104,7 +104,7 @@ def test_gps_applies_each_delta_once_checkpoints_and_stops_at_the_budget(etcd, j
     async def start_gps(store: Store) -> GlobalServer:
         ctx = ReplicaContext(etcd=etcd.url, job=job_id, replica_id=GPS, generation=0,
                              lease_id=await store.grant(10), heartbeat_path="",
-                             host="127.0.0.1", local_rank=0, local_world_size=1, timeout_s=10)
+                             host="127.0.0.1", rank=0, world_size=1, timeout_s=10)
         node = Node(GPS, ctx)
         gps = GlobalServer(node, await node.start())
         gps.resume_or_start()

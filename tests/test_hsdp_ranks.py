@@ -13,7 +13,7 @@ def test_a_killed_rank_restarts_its_replica_which_catches_up_shard_by_shard(tmp_
     # --kill-at hits the last rank of a replica only: rank 1 of r1 dies at step 15, the agent
     # takes down rank 0 and restarts both. Later a failed all-reduce on one rank of r0 makes
     # the replica's vote fail: neither of its shards may commit that step.
-    cfg = RunConfig(num_replicas=2, nproc_per_replica=2, num_steps=80, out_dir=tmp_path / "run",
+    cfg = RunConfig(num_replicas=2, nproc_per_node=2, num_steps=80, out_dir=tmp_path / "run",
                     kills=[ReplicaKill(1, FaultPoint(15)),
                            ReplicaKill(0, FaultPoint(60, "fail-allreduce"))],
                     train_args=["--sleep-per-step", "0.1"], timeout_s=12, show_progress=False)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from ftsystem.ftar import plan_state_sync
-from ftsystem.membership import (Epoch, Policy, Registration, ReplicaState, assign_donors,
-                                 decide)
+from ftsystem.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
+                                 Registration, ReplicaState, assign_donors, decide,
+                                 held_members, stale_members)
 
 READY, MEMBER = ReplicaState.READY, ReplicaState.MEMBER
 
@@ -165,3 +166,195 @@ def test_resync_request_reconfigures_the_same_members():
     nxt = decide(current, regs(reg("a"), asking), Policy(), join_tick=False)
     assert nxt.number == 5 and nxt.members == ("a", "b") and nxt.reason == "resync"
     assert decide(nxt, regs(reg("a"), asking), Policy(), join_tick=True) is None
+
+
+# --- a control-plane outage is not a host failure ---------------------------------------------
+
+RULE = LapseRule(grace_s=12.0, window_s=2.0)
+
+
+def held(vanished, members, now, suspected_at=(0.0,)):
+    return held_members(vanished, members, suspected_at=suspected_at, now=now, rule=RULE)
+
+
+def test_lapse_rule_grace_is_the_lease_ttl_plus_a_margin():
+    assert LapseRule.for_lease_ttl(10).grace_s == 12
+
+
+def test_a_member_vanishing_alone_is_not_held():
+    assert held({"b": 100.0}, ("a", "b", "c"), now=100.0) == frozenset()
+
+
+def test_members_vanishing_together_are_held_until_the_grace_ends():
+    vanished = {"a": 100.0, "b": 100.5, "c": 101.0}
+    assert held(vanished, ("a", "b", "c"), now=101.0) == {"a", "b", "c"}
+    # the first one was already removed when the others followed: it still counts
+    assert held(vanished, ("b", "c"), now=101.0) == {"b", "c"}
+    assert held(vanished, ("a", "b", "c"), now=112.2) == {"b", "c"}
+    assert held(vanished, ("a", "b", "c"), now=113.0) == frozenset()
+
+
+def test_less_than_half_vanishing_together_is_not_held():
+    members = ("a", "b", "c", "d", "e")
+    assert held({"a": 100.0, "b": 100.1}, members, now=100.2) == frozenset()
+    assert held({"a": 100.0, "b": 100.1, "c": 100.2}, members, now=100.2) == {"a", "b", "c"}
+    # far apart they are separate failures
+    assert held({"a": 100.0, "b": 103.0, "c": 106.0}, members, now=106.0) == frozenset()
+
+
+def test_a_new_leader_holds_the_members_it_finds_unregistered():
+    assert held({"c": 50.0}, ("a", "b", "c"), now=50.0, suspected_at=(50.0,)) == {"c"}
+    # and members vanishing right after it began (their leases are being revoked)
+    assert held({"c": 51.5}, ("a", "b", "c"), now=51.5, suspected_at=(50.0,)) == {"c"}
+    assert held({"c": 53.0}, ("a", "b", "c"), now=53.0, suspected_at=(50.0,)) == frozenset()
+    assert held({"c": 50.0}, ("a", "b", "c"), now=62.0, suspected_at=(50.0,)) == frozenset()
+
+
+def test_a_lapse_of_the_leaders_own_lease_holds_who_vanished_with_it():
+    assert held({"c": 80.0}, ("a", "b", "c"), now=80.1, suspected_at=(0.0, 80.1)) == {"c"}
+
+
+def test_held_members_stay_in_the_epoch():
+    current = epoch(4, "a", "b", "c")
+    assert decide(current, regs(reg("b")), Policy(), join_tick=True, held={"a", "c"}) is None
+    # with nobody registered (a new leader right after an outage) the epoch stands
+    assert decide(current, {}, Policy(), join_tick=True, held={"a", "b", "c"}) is None
+    # a held member that registers again with its generation is simply kept
+    assert decide(current, regs(reg("a"), reg("b"), reg("c")), Policy(), join_tick=True,
+                  held={"a", "c"}) is None
+
+
+def test_a_held_member_restarted_as_a_new_generation_is_replaced():
+    current = epoch(4, "a", "b", "c")
+    nxt = decide(current, regs(reg("a", READY, generation=1), reg("b")), Policy(),
+                 join_tick=False, held={"a", "c"})
+    assert nxt.reason == "removal" and nxt.members == ("b", "c", "a")
+    assert nxt.generations == {"a": 1, "b": 0, "c": 0}
+    assert nxt.store_addr == "b:1"  # the first registered member's store
+
+
+def test_joins_go_on_during_a_hold():
+    current = epoch(4, "a", "b")
+    nxt = decide(current, regs(reg("b"), reg("x", READY)), Policy(), join_tick=True,
+                 held={"a"})
+    assert nxt.reason == "join" and nxt.members == ("a", "b", "x")
+    assert nxt.generations == {"a": 0, "b": 0, "x": 0} and nxt.store_addr == "b:1"
+    only_held = decide(current, regs(reg("x", READY)), Policy(), join_tick=True,
+                       held={"a", "b"})
+    assert only_held.members == ("a", "b", "x") and only_held.store_addr == "x:1"
+
+
+@given(members=st.lists(ids, unique=True, max_size=5), raw=registration_sets,
+       hold=st.sets(ids), tick=st.booleans())
+def test_decide_never_drops_a_held_unregistered_member(members, raw, hold, tick):
+    current = Epoch(number=5, members=tuple(members), generations={m: 0 for m in members},
+                    store_addr="old:1")
+    registrations = {rid: reg(rid, state, gen) for rid, (state, gen) in raw.items()}
+    nxt = decide(current, registrations, Policy(), join_tick=tick, held=hold)
+    stays = [m for m in members if m in hold and m not in registrations]
+    members_after = nxt.members if nxt is not None else current.members
+    assert set(stays) <= set(members_after)
+    if nxt is not None:
+        assert all(nxt.generations[m] == 0 for m in stays)
+        registered = [m for m in nxt.members if m in registrations]
+        assert nxt.store_addr == (registrations[registered[0]].store_addr if registered
+                                  else "old:1")
+
+
+times = st.floats(0, 30, allow_nan=False)
+
+
+@given(vanished=st.dictionaries(ids, times), members=st.sets(ids), now=times,
+       began=times)
+def test_held_members_properties(vanished, members, now, began):
+    now = max([now, began, *vanished.values()])
+    result = held(vanished, members, now=now, suspected_at=(began,))
+    assert result <= set(members) & set(vanished)
+    assert all(now - vanished[m] < RULE.grace_s for m in result)
+    if len(vanished) == 1 and all(abs(t - began) > RULE.window_s for t in vanished.values()):
+        assert result == frozenset()  # the fast path: one failure alone is never held
+    for m in result:  # each held member is part of a lapse or of a suspected moment
+        t = vanished[m]
+        together = sum(abs(u - t) <= RULE.window_s for u in vanished.values()
+                       if now - u < RULE.grace_s + RULE.window_s)
+        assert together >= 2 or abs(t - began) <= RULE.window_s
+
+
+# --- a data-plane failure confirmed by the control plane --------------------------------------
+
+def leased(rid: str, lease: int, generation: int = 0) -> Registration:
+    return Registration(replica_id=rid, state=MEMBER, generation=generation, lease=lease)
+
+
+def reading(lease: int, remaining: int, at: float = 10.5, granted: int = 10) -> LeaseReading:
+    return LeaseReading(lease=lease, remaining=remaining, granted=granted, at=at)
+
+
+def test_registration_lease_defaults_for_older_writers():
+    old = '{"replica_id": "a", "state": "member", "generation": 2}'
+    assert Registration.from_json(old).lease == 0
+    assert Registration.from_json(leased("a", 77).to_json()).lease == 77
+
+
+def test_a_lease_not_renewed_for_over_a_second_is_stale():
+    assert not reading(1, remaining=9).stale  # renewed within the last second
+    assert reading(1, remaining=8).stale
+    assert not reading(1, remaining=1, granted=2).stale
+    assert reading(1, remaining=0, granted=2).stale
+
+
+def test_a_stale_member_is_removed_after_a_report():
+    registrations = regs(leased("a", 1), leased("b", 2), leased("c", 3))
+    readings = {"a": reading(1, 9), "b": reading(2, 8), "c": reading(3, 9)}
+    assert stale_members(registrations, ("a", "b", "c"), readings, reported_at=10.0) == {"b"}
+    # not while a mass lapse is suspected
+    assert stale_members(registrations, ("a", "b", "c"), readings, reported_at=10.0,
+                         lapse_suspected=True) == frozenset()
+    # readings from before the report, or after the confirmation window, do not count
+    assert stale_members(registrations, ("a", "b", "c"), readings, reported_at=11.0) == set()
+    assert stale_members(registrations, ("a", "b", "c"), readings, reported_at=7.0) == set()
+
+
+def test_only_a_reading_of_the_registered_lease_is_judged():
+    readings = {"b": reading(2, 3)}
+    assert stale_members(regs(leased("a", 1), leased("b", 5)), ("a", "b"), readings,
+                         reported_at=10.0) == set()  # b registered on a new lease since
+    assert stale_members(regs(leased("a", 1), leased("b", 0)), ("a", "b"), {"b": reading(0, 3)},
+                         reported_at=10.0) == set()  # lease 0: never judged
+
+
+def test_many_stale_leases_point_at_the_control_plane():
+    registrations = regs(leased("a", 1), leased("b", 2), leased("c", 3), leased("d", 4))
+    readings = {"a": reading(1, 9), "b": reading(2, 7), "c": reading(3, 6), "d": reading(4, 9)}
+    assert stale_members(registrations, tuple("abcd"), readings, reported_at=10.0) == set()
+
+
+def test_an_evicted_member_is_removed_and_does_not_rejoin_until_it_restarts():
+    current = epoch(4, "a", "b", "c")
+    registrations = regs(reg("a"), reg("b"), reg("c"))
+    nxt = decide(current, registrations, Policy(), join_tick=True, evicted={"b": 0})
+    assert nxt.reason == "removal" and nxt.members == ("a", "c")
+    assert decide(nxt, registrations, Policy(), join_tick=True, evicted={"b": 0}) is None
+    restarted = {**registrations, "b": reg("b", READY, generation=1)}
+    assert decide(nxt, restarted, Policy(), join_tick=True, evicted={"b": 0}).members == (
+        "a", "c", "b")
+
+
+@given(raw=st.dictionaries(ids, st.tuples(st.integers(0, 3), st.integers(-1, 10),
+                                          st.floats(0, 20, allow_nan=False))),
+       members=st.lists(ids, unique=True, max_size=5), reported=st.floats(0, 20),
+       suspected=st.booleans())
+def test_stale_members_properties(raw, members, reported, suspected):
+    registrations = {rid: leased(rid, lease) for rid, (lease, _, _) in raw.items()}
+    readings = {rid: reading(lease, remaining, at) for rid, (lease, remaining, at) in raw.items()}
+    result = stale_members(registrations, members, readings, reported_at=reported,
+                           lapse_suspected=suspected)
+    assert result <= set(members)
+    if suspected:
+        assert result == frozenset()
+    for m in result:
+        assert registrations[m].lease != 0 and readings[m].stale
+        assert reported <= readings[m].at <= reported + CONFIRM_S
+    judged = [m for m in members if m in registrations and registrations[m].lease
+              and reported <= readings[m].at <= reported + CONFIRM_S]
+    assert len(result) <= 1 or 2 * len(result) < len(judged)

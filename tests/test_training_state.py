@@ -45,7 +45,7 @@ def test_kills_in_every_phase_leave_every_replica_with_the_same_whole_state(etcd
              ReplicaKill(0, FaultPoint(1, "donate")),
              ReplicaKill(1, FaultPoint(late, "fail-allreduce")),
              ReplicaKill(2, FaultPoint(late - 10, "sync"))]
-    cfg = RunConfig(num_replicas=3, nproc_per_replica=ranks, num_steps=late + 120,
+    cfg = RunConfig(num_replicas=3, nproc_per_node=ranks, num_steps=late + 120,
                     etcd=etcd.url, job=job_id, out_dir=tmp_path, kills=kills,
                     train_args=["--sleep-per-step", "0.05", "--linger", "60"],
                     show_progress=False)
