@@ -44,15 +44,18 @@ class PeerView:
         elif state == ENDED:
             self.ended_by = uid
 
-    def verdict(self, now: float, timeout_s: float) -> str | None:
-        """Why the generation is over from what was heard, or None while it runs."""
+    def verdict(self, now: float, timeout_s: float, startup_s: float) -> str | None:
+        """Why the generation is over from what was heard, or None while it runs. A peer not
+        heard yet in this generation gets ``startup_s``: it may still be learning of it from
+        etcd and launching its ranks."""
         if self.ended_by:
             return f"ended by node {self.peers[self.ended_by]}"
         for uid, rank in sorted(self.peers.items(), key=lambda p: p[1]):
             if uid in self.done:
                 continue
+            heard = uid in self.last_heard
             silent = now - self.last_heard.get(uid, self.started)
-            if silent > timeout_s:
+            if silent > (timeout_s if heard else startup_s):
                 return f"node {rank} silent for {silent:.1f}s (dead host or cut link)"
         return None
 
@@ -72,8 +75,8 @@ class _Receiver(asyncio.DatagramProtocol):
 
 
 class Pulse:
-    def __init__(self, uid: str, host: str, timeout_s: float) -> None:
-        self.uid, self.host, self.timeout_s = uid, host, timeout_s
+    def __init__(self, uid: str, host: str, timeout_s: float, startup_s: float) -> None:
+        self.uid, self.host, self.timeout_s, self.startup_s = uid, host, timeout_s, startup_s
         self.view: PeerView | None = None
         self.state = RUNNING
         self._targets: list[tuple[str, int]] = []
@@ -100,7 +103,7 @@ class Pulse:
         while True:
             self._send()
             await asyncio.sleep(PULSE_S)
-            reason = self.view.verdict(time.monotonic(), self.timeout_s)
+            reason = self.view.verdict(time.monotonic(), self.timeout_s, self.startup_s)
             if reason is not None:
                 return reason
 

@@ -147,6 +147,7 @@ class Rendezvous:
         check_node_rank(node_rank, self.layout)
         spec = await self.store.get_json(keys.spec(self.job))
         check_replica(spec, self.replica_id)
+        check_layout(self.layout, None, spec, self.replica_id)  # before recording anything
         key = keys.layout(self.job, self.replica_id)
         await self.store.put_if_absent(key, json.dumps(asdict(self.layout)))
         recorded = await self.store.get_json(key)

@@ -132,7 +132,8 @@ class Agent:
         self.uid = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.store = Store(cfg.etcd)
         self.rendezvous = Rendezvous(self.store, cfg.job, cfg.replica_id, cfg.layout)
-        self.pulse = Pulse(self.uid, cfg.host, cfg.peer_timeout_s)
+        self.pulse = Pulse(self.uid, cfg.host, cfg.peer_timeout_s,
+                           startup_s=max(cfg.peer_timeout_s, cfg.lease_ttl_s))
         self.stop_requested = asyncio.Event()
         self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
@@ -249,6 +250,9 @@ class Agent:
             holders = await self.rendezvous.wait_full()
             if self.node_rank != 0:
                 generation = await self.rendezvous.wait_opened(self.uid, after=last)
+                # Read again: a node that came back since the wait took its rank anew (and
+                # listens for pulses elsewhere).
+                holders, _ = await self.rendezvous.holders()
                 self.pulse.follow(generation.number, self.node_rank, holders)
                 return generation
             lease = await self.store.grant(self.cfg.lease_ttl_s)

@@ -150,8 +150,9 @@ class MembershipLoop:
         self.rule = LapseRule.for_lease_ttl(cfg.replica_lease_ttl_s)
         self.vanished: dict[str, float] = {}
         """Members whose registration is gone, and since when (see ``held_members``)."""
-        self.suspected_at: list[float] = [self.started]
-        """When the control plane was suspected: this term began, the own lease lapsed."""
+        self.suspected_at: list[float] = []
+        """When the control plane was suspected: this term took over an epoch, or found its
+        own lease lapsed."""
         self.held: frozenset[str] = frozenset()
         self.evicted: dict[str, int] = {}
         """Members removed for a stale lease, and the generation that was stale."""
@@ -168,10 +169,13 @@ class MembershipLoop:
         items, revision = await self.store.get_prefix(keys.replicas(self.cfg.job))
         self.registrations = {keys.last_segment(k): Registration.from_json(v)
                               for k, v in items.items()}
-        # Members missing now may have lapsed in an outage that also took the previous
-        # leader's lease: they are held, and an empty epoch is never published for it.
-        self.vanished = {m: self.started for m in (self.epoch.members if self.epoch else ())
-                         if m not in self.registrations}
+        if self.epoch is not None:
+            # A takeover may follow an outage that also took the previous leader's lease
+            # (perhaps this instance's): members missing now, or whose lapsed leases etcd is
+            # still revoking, are held; an empty epoch is never published for it.
+            self.suspected_at.append(self.started)
+            self.vanished = {m: self.started for m in self.epoch.members
+                             if m not in self.registrations}
         # ETTR from the moment this instance leads (a new leader starts its own count).
         self.ettr = LiveEttr(num_replicas=self.policy.initial_replicas)
         watcher = asyncio.create_task(self._watch(revision + 1))

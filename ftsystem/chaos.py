@@ -4,7 +4,7 @@ A spec says what to do (``action``), to whom (``selector`` and ``mode``), for ho
 (``duration``) and when (``schedule``)::
 
     action: hang            # kill | hang | slow | partition | host-kill | host-partition
-                            # | controller-kill | etcd-member-kill
+                            # | controller-kill | etcd-member-kill | etcd-pause
                             # or a list, e.g. [kill, hang, partition]: each firing picks one
     mode: one               # one | fixed | percent
     value: 1                # how many (fixed) or which share (percent) of the selected
@@ -12,6 +12,7 @@ A spec says what to do (``action``), to whom (``selector`` and ``mode``), for ho
     duration: 5s            # hang/slow only
     schedule: "@every 30s"  # or {mtbf: 30s} (Poisson arrivals), or omitted: once, now
     horizon: 300s           # how far ahead a schedule is expanded
+    after_step: 0           # an order waits, past its time, until the job has reached this step
     seed: 0
 
 ``parse_spec`` validates (and says what is wrong) and ``expand`` turns a spec into timed orders
@@ -36,10 +37,10 @@ HOST_ACTIONS = ("host-kill", "host-partition")
 """One node of a replica, as a machine fails: every process of the node, its agent included, at
 once (down for the order's duration, then the host comes back); or its link cut while its
 processes live on. Executed by whoever started the hosts (``ftsystem run --netns``)."""
-SERVICE_ACTIONS = ("controller-kill", "etcd-member-kill")
+SERVICE_ACTIONS = ("controller-kill", "etcd-member-kill", "etcd-pause")
 """Executed by whoever supervises the services (``ftsystem run``); they target no replica."""
 ACTIONS = REPLICA_ACTIONS + HOST_ACTIONS + SERVICE_ACTIONS
-NEEDS_DURATION = ("hang", "slow", "partition", "host-partition")
+NEEDS_DURATION = ("hang", "slow", "partition", "host-partition", "etcd-pause")
 MODES = ("one", "fixed", "percent")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -79,6 +80,9 @@ class ChaosSpec:
     seed: int = 0
     slow_fraction: float = 0.5
     """For ``slow``: the share of each period the replica is stopped."""
+    after_step: int = 0
+    """Orders wait (past their time) until some replica has reached this step: faults hit a
+    job that trains, however long it took to start."""
 
 
 def parse_spec(text: str) -> ChaosSpec:
@@ -108,7 +112,7 @@ def parse_specs(text: str) -> list[ChaosSpec]:
 
 def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
     known = {"action", "mode", "value", "selector", "duration", "schedule", "horizon", "seed",
-             "slow_fraction"}
+             "slow_fraction", "after_step"}
     if unknown := sorted(set(raw) - known):
         raise ChaosSpecError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     actions = _actions(raw.get("action"))
@@ -126,7 +130,8 @@ def spec_from_mapping(raw: Mapping[str, Any]) -> ChaosSpec:
                      duration_s=duration, every_s=every, mtbf_s=mtbf,
                      horizon_s=parse_duration(raw.get("horizon", "300s"), "horizon"),
                      seed=int(_number(raw.get("seed", 0), "seed")),
-                     slow_fraction=_fraction(raw.get("slow_fraction", 0.5)))
+                     slow_fraction=_fraction(raw.get("slow_fraction", 0.5)),
+                     after_step=_step(raw.get("after_step", 0)))
 
 
 def _actions(action: Any) -> tuple[str, ...]:
@@ -141,6 +146,12 @@ def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ChaosSpecError(f"{what} must be a finite number, not {value!r}")
     return float(value)
+
+
+def _step(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ChaosSpecError(f"after_step must be a whole number of steps >= 0, not {value!r}")
+    return value
 
 
 def _fraction(value: Any) -> float:
@@ -194,6 +205,8 @@ class Order:
     slow_fraction: float = 0.5
     node: int = 0
     """The node rank of a host action (``HOST_ACTIONS``)."""
+    after_step: int = 0
+    """Executed once the job has reached this step too (``ChaosSpec.after_step``)."""
     state: str = "pending"
     """pending | done | failed (set by the executing agent)."""
     outcome: str = ""
@@ -225,7 +238,8 @@ def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str,
             suffix = f"-n{node}" if action in HOST_ACTIONS else ""
             orders.append(Order(id=f"{name}-{i:04d}-{replica or action}{suffix}", action=action,
                                 replica=replica, at=at, duration_s=spec.duration_s,
-                                slow_fraction=spec.slow_fraction, node=node))
+                                slow_fraction=spec.slow_fraction, node=node,
+                                after_step=spec.after_step))
         if len(orders) > MAX_ORDERS:
             raise ChaosSpecError(f"the spec makes more than {MAX_ORDERS} orders; select fewer "
                                  "replicas or fire less often")

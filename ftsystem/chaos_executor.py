@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from typing import Awaitable, Callable
@@ -17,6 +18,8 @@ from ftsystem.chaos import Order
 from ftsystem.store import Store
 
 log = logging.getLogger(__name__)
+
+STEP_POLL_S = 0.25
 
 
 class ChaosActionError(RuntimeError):
@@ -53,6 +56,8 @@ class OrderExecutor:
 
     async def _execute(self, order: Order) -> None:
         await asyncio.sleep(max(0.0, order.at - time.time()))
+        if order.after_step:
+            await self._wait_for_step(order.after_step)
         executed_at = time.time()
         try:
             state, outcome = "done", await self._act(order)
@@ -62,6 +67,14 @@ class OrderExecutor:
         metrics.FAILURES_INJECTED.labels(self.job, order.action, state).inc()
         done = dataclasses.replace(order, state=state, outcome=outcome, executed_at=executed_at)
         await self.store.put(keys.chaos(self.job, order.id), done.to_json())
+
+    async def _wait_for_step(self, step: int) -> None:
+        """Until some replica reports ``step`` (progress is written about once a second)."""
+        while True:
+            items, _ = await self.store.get_prefix(keys.replicas(self.job))
+            if max((json.loads(v).get("step", 0) for v in items.values()), default=0) >= step:
+                return
+            await asyncio.sleep(STEP_POLL_S)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -29,6 +29,7 @@ from ftsystem.etcd_server import EtcdCluster, free_port
 from ftsystem.faults import FaultPoint, parse_fault_point
 from ftsystem.netns import Host, HostNetwork
 from ftsystem.procs import die_with_parent
+from ftsystem.runtime import ENV_TIMEOUT
 from ftsystem.service_chaos import ServiceChaos
 from ftsystem.store import Store, StoreError
 
@@ -206,7 +207,9 @@ def run_job(cfg: RunConfig) -> dict:
                 services.add_controller(f"c{i}", functools.partial(
                     procs.start, f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
                                                         cfg.job, "--port", str(port),
-                                                        "--instance-id", f"c{i}")))
+                                                        "--instance-id", f"c{i}"),
+                    # The leader derives the replicas' lease TTL from the same timeout.
+                    env=os.environ | {ENV_TIMEOUT: str(cfg.timeout_s)}))
             agents = NodeAgents(cfg, etcd, node_hosts, procs, os.environ | _checkpoint_env(cfg))
             for index, node_rank in agents.nodes():
                 if (host := agents.host(index, node_rank)) is not None:
@@ -247,6 +250,8 @@ def check_chaos_fits(cfg: RunConfig) -> None:
         if not cfg.netns:
             raise ValueError(f"the {needing[0]} action needs nodes in network namespaces: "
                              "add --netns (as root)")
+    if "etcd-pause" in actions and cfg.etcd:
+        raise ValueError("etcd-pause stops the embedded etcd: leave out --etcd")
     if "etcd-member-kill" in actions and (cfg.etcd or cfg.etcd_members < 3):
         raise ValueError("etcd-member-kill needs an embedded etcd of 3 members or more: "
                          "add --etcd-members 3 (and no --etcd)")

@@ -170,9 +170,10 @@ def held_members(vanished: Mapping[str, float], members: Collection[str], *,
 
     - at least half of the members, and at least 2, vanished within ``rule.window_s`` of it; or
     - it vanished within ``rule.window_s`` of a moment in ``suspected_at``: when the leader
-      began leading (it cannot tell an outage from failures: its predecessor, or its own
-      previous term, may have lost its lease in that very outage; Kubernetes' controller, too,
-      gives every node a full grace when it starts), or when it found its own lease lapsed.
+      took over an existing epoch (it cannot tell an outage from failures: its predecessor, or
+      its own previous term, may have lost its lease in that very outage; Kubernetes'
+      controller, too, gives every node a full grace when it starts), or when it found its own
+      lease lapsed.
 
     A member vanishing alone is not held: that is the fast path of an agent that revoked its
     replica's lease on a failure, and it must stay fast.

@@ -93,6 +93,8 @@ class ServiceChaos:
             return await self._hit_host(order)
         if order.action == "controller-kill":
             return await self._kill_controller(order.duration_s)
+        if order.action == "etcd-pause":
+            return await self._pause_etcd(order.duration_s)
         return await self._kill_etcd_member(order.duration_s)
 
     async def _kill_controller(self, down_s: float) -> str:
@@ -127,6 +129,22 @@ class ServiceChaos:
         await asyncio.to_thread(restart)
         return f"SIGKILL to all {len(pids)} processes of host {host.name}; " \
                f"rebooted after {order.duration_s:g}s"
+
+    async def _pause_etcd(self, pause_s: float) -> str:
+        """A control-plane outage: every member stops (SIGSTOP) for ``pause_s``; clients' calls
+        hang as on a dead network, and leases that lapse meanwhile expire all at once after."""
+        if self.cluster is None:
+            raise ChaosActionError("etcd-pause needs the embedded etcd of this run (no --etcd)")
+        members = [m.process for m in self.cluster.members
+                   if m.process is not None and m.process.poll() is None]
+        for proc in members:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(pause_s)
+        finally:
+            for proc in members:
+                proc.send_signal(signal.SIGCONT)
+        return f"SIGSTOP to {len(members)} etcd member(s) for {pause_s:g}s"
 
     async def _kill_etcd_member(self, down_s: float) -> str:
         if self.cluster is None or len(self.cluster.members) < 3:

@@ -34,7 +34,7 @@ class SimReplica:
                                          generation=0, store_addr=f"127.0.0.1:{rid}")
         self.renewing = True
         self.died_in_outage = False
-        self.relapses = 0
+        self.lapses = 0
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -55,7 +55,7 @@ class SimReplica:
 
     async def _register_on_new_lease(self) -> None:
         lease = await self.store.grant(self.ttl_s)
-        if self.died_in_outage and self.relapses:
+        if self.died_in_outage and self.lapses:
             await self.put(lease=lease, generation=self.registration.generation + 1,
                            state=ReplicaState.READY)
         else:
@@ -69,7 +69,7 @@ class SimReplica:
             try:
                 await self.store.refresh(self.registration.lease)
             except LeaseLostError:
-                self.relapses += 1
+                self.lapses += 1
                 await self._register_on_new_lease()
 
 
@@ -186,11 +186,11 @@ async def _outage(etcd: EmbeddedEtcd, job: str) -> None:
         resumed = time.monotonic()
         _, replaced = await epochs.wait_for(lambda e: e.generations.get("c") == 1,
                                             "c's new generation", 60)
-        assert all(r.relapses >= 1 for r in replicas.values()), "no lease lapsed"
         # Past the grace (TTL + 2 s) nothing is removed either: a and b registered again.
         grace_over = resumed + ttl + 2 + 2
         while time.monotonic() < grace_over:
             await asyncio.sleep(0.25)
+        assert all(r.lapses >= 1 for r in replicas.values()), "no lease lapsed"
         after = [e for _, e in epochs.seen if e.number > first.number]
         assert after, "no epoch after the outage"
         for epoch in after:
