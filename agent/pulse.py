@@ -34,6 +34,8 @@ class PeerView:
     last_heard: dict[str, float] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
     ended_by: str = ""
+    silent: int | None = None
+    """The node rank found silent, once one was."""
 
     def hear(self, uid: str, generation: int, state: str, now: float) -> None:
         if generation != self.generation or uid not in self.peers:
@@ -56,6 +58,7 @@ class PeerView:
             heard = uid in self.last_heard
             silent = now - self.last_heard.get(uid, self.started)
             if silent > (timeout_s if heard else startup_s):
+                self.silent = rank
                 return f"node {rank} silent for {silent:.1f}s (dead host or cut link)"
         return None
 

@@ -116,6 +116,8 @@ class Outcome:
     success: bool
     reason: str
     last_step: int = 0
+    local_rank: int | None = None
+    """The rank of this node whose exit or hang ended the generation, if one did."""
 
 
 class Agent:
@@ -206,8 +208,9 @@ class Agent:
                 return EXIT_HALTED
             # A replica that ran a while before failing gets the short backoff again.
             backoff = self.cfg.backoff_s if time.monotonic() - started > 30 else backoff
-            log.warning("replica %s generation %d ended (%s); restarting in %.1fs",
-                        self.cfg.replica_id, generation.number, outcome.reason, backoff)
+            where = "" if outcome.local_rank is None else f" on local rank {outcome.local_rank}"
+            log.warning("replica %s generation %d ended (%s%s); restarting in %.1fs",
+                        self.cfg.replica_id, generation.number, outcome.reason, where, backoff)
             try:
                 await asyncio.wait_for(self.stop_requested.wait(), backoff)
                 return 130
@@ -285,6 +288,9 @@ class Agent:
                     generation=generation.number, host=self.cfg.host).to_json(),
                     lease=generation.lease)
                 keep_alive = asyncio.create_task(self._hold_replica_lease(generation))
+            log.info("replica %s generation %d: launching %d rank(s) of node %d (rank 0 at "
+                     "%s:%d)", self.cfg.replica_id, generation.number, self.cfg.nproc_per_node,
+                     self.node_rank, generation.master_addr, generation.master_port)
             heartbeats = await self._spawn(generation)
             outcome = await self._watch(generation, heartbeats, keep_alive)
         except StoreUnavailableError as e:
@@ -305,12 +311,22 @@ class Agent:
         agents; the agent that ended it records the failure (a stop is no failure)."""
         self.pulse.announce(ENDED)
         await self._until_etcd_back(lambda: self.store.revoke(generation.lease))
+        if (silent := self.pulse.view and self.pulse.view.silent) is not None:
+            await self._until_etcd_back(lambda: self._free_slot(silent))
         if outcome.reason.startswith("ended by"):
             return  # another agent ended it, and records why
         won = await self._until_etcd_back(
             lambda: self.rendezvous.end(generation.number, outcome.reason))
         if won and outcome.reason != "stopped":
             await self._until_etcd_back(lambda: self._record_failure(generation.number, outcome))
+
+    async def _free_slot(self, node_rank: int) -> None:
+        """A silent peer's node rank is freed at once (its lease would hold it for a TTL): the
+        next generation waits for the host to come back or for a spare to take its place."""
+        holder = await self.store.get_json(keys.agent(self.cfg.job, self.cfg.replica_id,
+                                                      node_rank))
+        if holder and holder.get("lease"):
+            await self.store.revoke(int(holder["lease"]))
 
     async def _hold_replica_lease(self, generation: Generation) -> None:
         """Node 0 renews the replica lease; one an etcd outage outlived is replaced (unless
@@ -338,7 +354,7 @@ class Agent:
         await self.store.put_json(
             keys.failure(self.cfg.job, self.cfg.replica_id, generation),
             {"time": time.time(), "reason": outcome.reason, "step": outcome.last_step,
-             "node_rank": self.node_rank})
+             "node_rank": self.node_rank, "local_rank": outcome.local_rank})
         # Kill points the replica has passed are spent; the restarted one gets the rest.
         self.kill_at = [p for p in self.kill_at if p.step > outcome.last_step]
 
@@ -399,8 +415,8 @@ class Agent:
                         log.warning("replica %s local rank %d finished, then %s while tearing "
                                     "down", self.cfg.replica_id, rank, _describe_exit(code))
                     elif code != 0:
-                        return Outcome(False, f"node {self.node_rank} local rank {rank} "
-                                       f"{_describe_exit(code)}", _last_step(heartbeats))
+                        return Outcome(False, _describe_exit(code), _last_step(heartbeats),
+                                       local_rank=rank)
             return Outcome(True, "finished", _last_step(heartbeats))
         finally:
             for task in (*pending, *watchers):
@@ -431,8 +447,7 @@ class Agent:
                     continue  # tearing down is not hanging
                 if age > self.cfg.watchdog_s:
                     await self._dump_stacks(rank)
-                    return f"node {self.node_rank} local rank {rank} hung: no heartbeat " \
-                           f"for {age:.0f}s"
+                    return f"local rank {rank} hung: no heartbeat for {age:.0f}s"
 
     async def _dump_stacks(self, rank: int) -> None:
         """Ask the hung rank for its Python stacks (SIGUSR1, see ``runtime.Heartbeat``)."""

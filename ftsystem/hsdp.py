@@ -19,7 +19,7 @@ a donor while the others train (``ftsystem.catchup``), so that it joins only a s
 The average is over the members that took part: when a replica is missing, its data shard for
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
 
-A replica may have several ranks (``--nproc-per-replica N``): the model is sharded inside the
+A replica may have several ranks (``--nodes N --nproc-per-node M``): the model is sharded in the
 replica with FSDP2, rank k all-reduces shard k with rank k of the other replicas, and the
 replica's ranks vote before anything changes their state (``ftsystem.replica_group``), so the
 replica commits all its shards of a step or none. Only rank 0 registers with the controller.
@@ -909,7 +909,7 @@ class FTReplica:
             raise RuntimeError(
                 f"donor {assignment['donor']} has {len(addrs)} ranks, this replica "
                 f"{self.ctx.world_size}: every replica of a job needs the same "
-                "--nproc-per-replica")
+                "--nodes and --nproc-per-node")
         return addrs[self.ctx.rank]
 
     def _replay_from(self, addr: str) -> int | None:

@@ -43,7 +43,9 @@ def _stepped_during(timeline: list, start: float, seconds: float) -> bool:
 @pytest.mark.skipif(NETNS is not None, reason=str(NETNS))
 @pytest.mark.parametrize("ranks", [1, 2], ids=["2x2x1", "2x2x2-fsdp2"])
 def test_a_dead_host_and_a_cut_link_restart_only_their_replica(tmp_path, ranks):
-    steps = 110 if ranks == 1 else 80
+    steps = 150 if ranks == 1 else 100
+    # Both faults hit replica r1 (a node killed, later a node cut off): r0 must keep stepping
+    # through both, and r1 come back each time as a whole and catch up from r0.
     summary, results, timelines = _run(tmp_path, f"""
         action: host-kill
         selector: {{replicas: [r1]}}
@@ -52,34 +54,28 @@ def test_a_dead_host_and_a_cut_link_restart_only_their_replica(tmp_path, ranks):
         seed: 3
         ---
         action: host-partition
-        selector: {{replicas: [r0]}}
+        selector: {{replicas: [r1]}}
         duration: 3s
-        after_step: {steps // 2 + 10}
+        after_step: {steps // 2}
         seed: 4
     """, nodes_per_replica=2, nproc_per_node=ranks, netns=True, num_steps=steps)
     orders = {o["action"]: o for o in summary["chaos"]}
     assert [o["state"] for o in orders.values()] == ["done", "done"], orders
     assert "SIGKILL to all" in orders["host-kill"]["outcome"]
-    for order, failed, survivor in ((orders["host-kill"], "r1", "r0"),
-                                    (orders["host-partition"], "r0", "r1")):
+    for order in orders.values():
         hit = order["executed_at"]
-        # The replica that lost a node failed as a whole, noticed by its other node (a silent
-        # peer) or by its own ranks (a collective with the dead peer): within seconds, long
-        # before a lease would tell.
-        failures = [f for f in summary["failures"] if f["replica"] == failed and
-                    hit <= f["time"] < hit + TIMEOUT_S / 3]
-        assert failures, (failed, summary["failures"])
-        # The other replica kept stepping meanwhile.
-        assert _stepped_during(timelines[survivor], hit + 2.0, 3.0), (survivor, hit)
-    # Nobody failed who was not hit, and both came back as a new generation that caught up
-    # (every rank loaded its own shard from the other replica).
-    assert {f["replica"] for f in summary["failures"]} == {"r0", "r1"}
-    for rid in ("r0", "r1"):
-        assert results[rid]["generation"] >= 1
-    joined_late = max(("r0", "r1"), key=lambda r: orders["host-kill" if r == "r1" else
-                                                          "host-partition"]["executed_at"])
-    shards = results[joined_late]["shard_catchup"]
-    assert len(shards) == 2 * ranks and all(s.get("donors") for s in shards), shards
+        # r1 failed as a whole, noticed by its other node (a silent peer) or by its own ranks
+        # (a collective with the dead peer): within seconds, long before a lease would tell.
+        assert [f for f in summary["failures"] if hit <= f["time"] < hit + TIMEOUT_S / 3], \
+            (order, summary["failures"])
+        # r0 kept stepping meanwhile.
+        assert _stepped_during(timelines["r0"], hit + 2.0, 3.0), (order, timelines["r0"])
+    assert {f["replica"] for f in summary["failures"]} == {"r1"}, summary["failures"]
+    assert results["r0"]["generation"] == 0 and results["r1"]["generation"] >= 2
+    # The last generation of r1 took the job's state from r0, every rank its own shard (by
+    # catch-up or the epoch's state sync), and was a member at the end.
+    assert results["r1"]["epochs"] and results["r1"]["step"] == steps
+    assert len(results["r1"]["shard_hashes"]) == 2 * ranks
     assert summary["steps"] == steps
     assert summary["bitwise_identical"] and summary["agents_ok"]
 
