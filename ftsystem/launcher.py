@@ -137,6 +137,9 @@ def etcd_endpoint(cfg: RunConfig, host: str) -> Iterator[tuple[str, EtcdCluster 
         yield etcd.url, etcd
 
 
+_networks = 0
+
+
 @contextlib.contextmanager
 def hosts(cfg: RunConfig) -> Iterator[list[Host | None]]:
     """Where each node's agent runs (replica-major): its own network namespace, or (None)
@@ -145,7 +148,9 @@ def hosts(cfg: RunConfig) -> Iterator[list[Host | None]]:
     if not cfg.netns:
         yield [None] * count
         return
-    with HostNetwork(count, name=f"ft{os.getpid() % 100000}") as net:
+    global _networks
+    _networks += 1  # names unique per run, also for runs in one process
+    with HostNetwork(count, name=f"f{os.getpid() % 10000}n{_networks % 100}") as net:
         yield net.hosts
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import subprocess
 import zlib
 from dataclasses import dataclass, field
@@ -156,6 +157,13 @@ class HostNetwork:
         for line in existing.splitlines():
             ns = line.split()[0] if line.split() else ""
             if ns.startswith(f"{self.name}-h"):
+                # A namespace outlives its name while a process is in it, and keeps its veth
+                # (whose name the next network of this name needs): nothing may stay behind.
+                for pid in namespace_pids(ns):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         self.hosts.clear()

@@ -184,3 +184,47 @@ async def _wait_key(etcd_url: str, key: str, timeout_s: float = 60.0) -> None:
         while await store.get(key) is None:
             assert asyncio.get_running_loop().time() < deadline, f"{key} never appeared"
             await asyncio.sleep(0.05)
+
+
+def test_a_spare_takes_the_place_of_a_node_whose_agent_died(etcd, job_id, tmp_path):
+    """Two nodes and a spare on loopback: node 1's agent is SIGKILLed (its ranks die with it);
+    node 0 hears it fall silent, frees its rank, the spare takes it, and the replica restarts
+    as a whole with the spare and trains to the end."""
+    from conftest import controller_process, wait_for
+    train = [sys.executable, "-m", "ftsystem.train", "--steps", "200", "--sleep-per-step",
+             "0.02", "--out", str(tmp_path / "results")]
+
+    def agent(*flags: str, name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "wb")
+        return subprocess.Popen(
+            [sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd.url, "--job", job_id,
+             "--replica-id", "r0", "--nodes", "2", "--timeout", str(TIMEOUT_S), *flags,
+             "--", *train], stdout=log, stderr=subprocess.STDOUT)
+
+    def generation() -> dict:
+        async def read() -> dict:
+            async with Store(etcd.url) as store:
+                return await store.get_json(keys.generation(job_id, "r0")) or {}
+        return asyncio.run(read())
+
+    with controller_process(etcd.url, job_id, tmp_path):
+        agents = [agent("--node-rank", "0", "--node-id", "a", name="n0"),
+                  agent("--node-rank", "1", "--node-id", "b", name="n1"),
+                  agent("--spare", "--node-id", "c", name="spare")]
+        try:
+            first = wait_for(lambda: (g := generation()) and not g["ended"] and g, 120,
+                             "the first generation")
+            wait_for(lambda: (tmp_path / "results" / "r0.commits").exists(), 120,
+                     "the replica to train")
+            agents[1].kill()  # node 1's agent dies; pdeathsig takes its rank with it
+            later = wait_for(lambda: (g := generation())["number"] > first["number"] and
+                             not g["ended"] and g, 60, "a generation with the spare")
+            assert later["agents"][0] == first["agents"][0]
+            assert later["agents"][1] not in first["agents"]  # the spare's uid
+            assert agents[0].wait(300) == 0 and agents[2].wait(60) == 0
+        finally:
+            for proc in agents:
+                proc.kill()
+                proc.wait()
+    result = json.loads((tmp_path / "results" / "r0.json").read_text())
+    assert result["step"] == 200 and result["generation"] == later["number"]
