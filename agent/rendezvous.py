@@ -192,6 +192,16 @@ class Rendezvous:
             return generation
         return None
 
+    async def wait_started(self) -> None:
+        """Until the replica's first generation was opened."""
+        key = keys.generation(self.job, self.replica_id)
+        while True:
+            items, revision = await self.store.get_prefix(key)
+            if key in items:
+                return
+            async for _ in self.store.watch_prefix(key, start_revision=revision + 1):
+                break
+
     async def wait_opened(self, uid: str, after: int) -> Generation:
         """Other node ranks: the first running generation numbered above ``after`` that
         names this agent."""

@@ -58,13 +58,17 @@ class NodeSlot:
                               "five times while trying")
 
     async def claim_free(self) -> int:
-        """A spare: wait for a node rank that nobody holds, and hold it."""
+        """A spare: once the replica has run, wait for a node rank that nobody holds, and
+        hold it."""
         spare_key = keys.spare_agent(self.rendezvous.job, self.rendezvous.replica_id,
                                      self.record["uid"])
         lease = await self.store.grant(self.ttl_s)
         await self.store.put_json(spare_key, self.record, lease=lease)
         keep_alive = asyncio.create_task(self.store.keep_alive(lease, self.ttl_s))
         try:
+            # A spare stands in for a node that was there and is gone, never for one that is
+            # still starting: it waits for the replica's first generation.
+            await self.rendezvous.wait_started()
             while True:
                 held, revision = await self.rendezvous.holders()
                 for rank in range(self.rendezvous.layout.nodes):

@@ -25,9 +25,9 @@ TIMEOUT_S = 9.0  # the one timeout: lease TTL 3 s
 
 
 def _run(tmp_path: Path, chaos: str, **overrides) -> tuple[dict, dict, dict]:
-    cfg = RunConfig(num_replicas=2, out_dir=tmp_path / "run", timeout_s=TIMEOUT_S,
-                    show_progress=False, chaos=parse_specs(textwrap.dedent(chaos)),
-                    **{"train_args": ["--sleep-per-step", "0.02"]} | overrides)
+    cfg = RunConfig(**{"num_replicas": 2, "train_args": ["--sleep-per-step", "0.02"]} | overrides,
+                    out_dir=tmp_path / "run", timeout_s=TIMEOUT_S, show_progress=False,
+                    chaos=parse_specs(textwrap.dedent(chaos)))
     summary = run_job(cfg)
     results_dir = cfg.out_dir / "results"
     results = {p.stem: json.loads(p.read_text()) for p in results_dir.glob("*.json")}
@@ -191,7 +191,7 @@ def test_a_spare_takes_the_place_of_a_node_whose_agent_died(etcd, job_id, tmp_pa
     node 0 hears it fall silent, frees its rank, the spare takes it, and the replica restarts
     as a whole with the spare and trains to the end."""
     from conftest import controller_process, wait_for
-    train = [sys.executable, "-m", "ftsystem.train", "--steps", "200", "--sleep-per-step",
+    train = [sys.executable, "-m", "ftsystem.train", "--steps", "120", "--sleep-per-step",
              "0.02", "--out", str(tmp_path / "results")]
 
     def agent(*flags: str, name: str) -> subprocess.Popen:
@@ -227,4 +227,4 @@ def test_a_spare_takes_the_place_of_a_node_whose_agent_died(etcd, job_id, tmp_pa
                 proc.kill()
                 proc.wait()
     result = json.loads((tmp_path / "results" / "r0.json").read_text())
-    assert result["step"] == 200 and result["generation"] == later["number"]
+    assert result["step"] == 120 and result["generation"] == later["number"]
