@@ -300,9 +300,14 @@ class Agent:
                 keep_alive.cancel()
         if outcome.success:
             self.pulse.announce(DONE)
-        else:
-            await self._end(generation, outcome)
+            await self._kill_children()
+            return outcome
+        # The revoke goes out first; the ranks are stopped meanwhile, even while etcd is
+        # unreachable (a node cut off from its peers fences itself at once).
+        ending = asyncio.create_task(self._end(generation, outcome))
+        await asyncio.sleep(0)
         await self._kill_children()
+        await ending
         return outcome
 
     async def _end(self, generation: Generation, outcome: Outcome) -> None:
