@@ -42,19 +42,26 @@ def test_a_partitioned_replica_is_dropped_within_the_timeout_and_rejoins(tmp_pat
         action: partition
         selector: {replicas: [r2]}
         duration: 8s
-        schedule: "@every 8s"
-        horizon: 9s
+        after_step: 20
     """, netns=True)
     [order] = summary["chaos"]
     assert order["state"] == "done" and "cut off for 8s" in order["outcome"]
-    [failure] = summary["failures"]
-    assert failure["replica"] == "r2"  # its ranks found themselves out of the epoch on return
+    # The survivors dropped r2 when its lease expired (a third of the timeout) and went on.
+    dropped = [e for e in results["r0"]["epochs"] if e["time"] > order["executed_at"] and
+               "r2" not in e["members"]]
+    assert dropped and dropped[0]["time"] < order["executed_at"] + TIMEOUT_S / 3 + 3
     # The survivors were held up by the silent peer for about the lease TTL (3 s), not for
-    # the 8 s of the partition, nor the one timeout; the cut-off replica came back.
+    # the 8 s of the partition, nor the one timeout.
     assert _longest_gap(results, ["r0", "r1"]) < TIMEOUT_S / 3 + 3
-    assert results["r2"]["generation"] == 1 and summary["steps"] == 160
-    assert summary["stall_s"]["max"] < TIMEOUT_S / 3 + 3
-    assert summary["bitwise_identical"] and summary["agents_ok"]
+    # Back on the network, r2's agent cannot tell the cut from an etcd outage: it keeps the
+    # replica running on a new lease. r2 rejoins with the job's state, at once if its ranks
+    # first see an epoch that has it back, or after one restart if they first see the one
+    # that dropped it.
+    failures = summary["failures"]
+    assert [f["replica"] for f in failures] in ([], ["r2"]), failures
+    assert results["r2"]["generation"] == len(failures)
+    assert "r2" in results["r0"]["epochs"][-1]["members"]
+    assert summary["steps"] == 160 and summary["bitwise_identical"] and summary["agents_ok"]
 
 
 def test_killing_the_leading_controller_and_the_etcd_leader_does_not_stop_training(tmp_path):
