@@ -52,7 +52,7 @@ class ReplicaContext:
     replica_id: str
     generation: int
     lease_id: int
-    lease_file: str
+    lease_file: str = ""
     """Where the agent writes the replica lease when an etcd outage outlived the first one."""
     heartbeat_path: str
     host: str
