@@ -207,10 +207,11 @@ class Rendezvous:
         names this agent."""
         key = keys.generation(self.job, self.replica_id)
         while True:
-            current, _ = await self.current()
+            # One read gives the value and the revision to watch from: nothing in between.
+            items, revision = await self.store.get_prefix(key)
+            current = Generation.from_json(items[key]) if key in items else None
             if current and current.number > after and not current.ended and uid in current.agents:
                 return current
-            items, revision = await self.store.get_prefix(key)
             async for _ in self.store.watch_prefix(key, start_revision=revision + 1):
                 break
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
 from agent.chaos import replica_executor
-from agent.pulse import DONE, ENDED, PULSE_S, Pulse
+from agent.pulse import DONE, ENDED, Pulse
 from agent.rendezvous import (Generation, Layout, Rendezvous, RendezvousError, rank_env,
                               replica_env)
 from agent.slot import NodeSlot
@@ -301,6 +301,8 @@ class Agent:
         if outcome.success:
             self.pulse.announce(DONE)
             await self._kill_children()
+            if self.node_rank == 0:  # what the ranks registered on it goes with the replica
+                await self._until_etcd_back(lambda: self.store.revoke(generation.lease))
             return outcome
         # The revoke goes out first; the ranks are stopped meanwhile, even while etcd is
         # unreachable (a node cut off from its peers fences itself at once).
@@ -398,7 +400,6 @@ class Agent:
         }
         if self.cfg.nodes > 1:
             watchers[asyncio.create_task(self.pulse.watch())] = lambda t: t.result()
-            watchers[asyncio.create_task(self._peer_left(generation))] = lambda t: t.result()
         if keep_alive is not None:
             watchers[keep_alive] = lambda t: "replica lease lost"
         pending = set(waits)
@@ -437,24 +438,6 @@ class Agent:
             if current is None or current.number != generation.number or current.ended:
                 return f"ended by another node: {current.ended if current else 'gone'}"
             async for _ in self.store.watch_prefix(key, start_revision=revision + 1):
-                break
-
-    async def _peer_left(self, generation: Generation) -> str:
-        """Returns when a node rank of the generation is no longer held by the agent it names:
-        the lease path, for a peer that pulses cannot reach but etcd saw go."""
-        prefix = keys.replica_agents(self.cfg.job, self.cfg.replica_id)
-        while True:
-            holders, revision = await self.rendezvous.holders()
-            # As with pulses, node 0 watches every node and the others node 0.
-            watched = range(len(generation.agents)) if self.node_rank == 0 else [0]
-            gone = [rank for rank in watched
-                    if holders.get(rank, {}).get("uid") != generation.agents[rank]]
-            if gone:
-                await asyncio.sleep(PULSE_S)  # a peer that finished said so by pulse first
-                done = self.pulse.view.done if self.pulse.view else set()
-                if left := [r for r in gone if generation.agents[r] not in done]:
-                    return f"node {left[0]} left (its agent's lease ended)"
-            async for _ in self.store.watch_prefix(prefix, start_revision=revision + 1):
                 break
 
     async def _watchdog(self, heartbeats: list[Path]) -> str:

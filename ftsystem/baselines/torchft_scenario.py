@@ -11,8 +11,10 @@ cleanup can kill whatever a replica started. Logs land in ``workdir``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,11 +54,75 @@ POLL_S = 0.05
 STDERR_TAIL_CHARS = 4000
 
 
-def torchft_settings() -> dict[str, object]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LighthouseSettings:
+    """The lighthouse's timing flags; None leaves a flag out, so the binary's default applies
+    (``LighthouseSettings.torchft_defaults()``: every flag left to torchft)."""
+
+    heartbeat_timeout_ms: Optional[int] = HEARTBEAT_TIMEOUT_MS
+    join_timeout_ms: Optional[int] = JOIN_TIMEOUT_MS
+    quorum_tick_ms: Optional[int] = QUORUM_TICK_MS
+
+    @classmethod
+    def torchft_defaults(cls) -> "LighthouseSettings":
+        return cls(heartbeat_timeout_ms=None, join_timeout_ms=None, quorum_tick_ms=None)
+
+    def flags(self) -> list[str]:
+        return [arg for name in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms")
+                if (value := getattr(self, name)) is not None
+                for arg in (f"--{name}", str(value))]
+
+    def effective(self) -> dict[str, object]:
+        """Each value the lighthouse runs with, and whether it is torchft's default."""
+        defaults = lighthouse_defaults()
+        out: dict[str, object] = {}
+        for name in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
+            value = getattr(self, name)
+            out[name] = defaults.get(name) if value is None else value
+        out["min_replicas"] = MIN_REPLICAS
+        out["left_to_torchft_default"] = sorted(
+            name for name in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms")
+            if getattr(self, name) is None)
+        return out
+
+
+def lighthouse_defaults() -> dict[str, int]:
+    """The installed ``torchft_lighthouse``'s flag defaults, read from its ``--help`` (torchft
+    0.2.0: heartbeat_timeout_ms 5000, join_timeout_ms 60000, quorum_tick_ms 100)."""
+    binary = lighthouse_binary()
+    if binary is None:
+        return {}
+    text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    # "--heartbeat_timeout_ms <heartbeat-timeout-ms>\n   How long ... [default: 5000]"
+    defaults = {}
+    for option in re.split(r"\n\s*(?=--)", text):
+        found = re.match(r"--(\w+) <[^>]+>.*?\[default: (\d+)\]", option, re.S)
+        if found:
+            defaults[found.group(1)] = int(found.group(2))
+    return defaults
+
+
+def manager_defaults() -> dict[str, float]:
+    """torchft's own ``Manager`` defaults, read from the installed constructor's signature
+    (torchft 0.2.0 ``manager.py``: timeouts 60 s, heartbeat_interval 100 ms)."""
+    from torchft import Manager
+    params = inspect.signature(Manager.__init__).parameters
+    out: dict[str, float] = {}
+    for name in ("timeout", "quorum_timeout", "connect_timeout"):
+        out[f"{name}_s"] = params[name].default.total_seconds()
+    out["heartbeat_interval_ms"] = params["heartbeat_interval"].default.total_seconds() * 1000
+    return out
+
+
+def torchft_settings(lighthouse: Optional[LighthouseSettings] = None) -> dict[str, object]:
     """Every torchft setting the baseline runs with, for the benchmark's record."""
-    lighthouse = {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "join_timeout_ms": JOIN_TIMEOUT_MS,
-                  "quorum_tick_ms": QUORUM_TICK_MS, "min_replicas": MIN_REPLICAS}
-    return {"lighthouse": lighthouse, "manager": torchft_replica.manager_settings()}
+    if lighthouse is None:
+        settings = {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+                    "join_timeout_ms": JOIN_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS,
+                    "min_replicas": MIN_REPLICAS}
+    else:
+        settings = lighthouse.effective()
+    return {"lighthouse": settings, "manager": torchft_replica.manager_settings()}
 
 
 def lighthouse_binary() -> Optional[str]:
@@ -101,6 +167,8 @@ class _Replica:
     killed_by_us: bool = False
     niceness: int = 0
     """CPU priority offset (``nice``) of this replica's processes."""
+    down_until: float = 0.0
+    """Unix time before which a killed replica is not restarted (its host is down)."""
 
     def path(self, suffix: str, generation: Optional[int] = None) -> Path:
         generation = self.generation if generation is None else generation
@@ -146,6 +214,8 @@ class _Cluster:
     lighthouse: Optional[subprocess.Popen] = None
     lighthouse_addr: str = ""
     deadline: float = 0.0
+    lighthouse_settings: Optional[LighthouseSettings] = None
+    """The lighthouse's timing flags; None: this module's constants."""
 
     def __enter__(self) -> "_Cluster":
         self.deadline = time.monotonic() + self.timeout_s
@@ -166,8 +236,7 @@ class _Cluster:
             raise FileNotFoundError("torchft_lighthouse not found: install torchft==0.2.0")
         port = free_port()
         cmd = [binary, "--bind", f"[::]:{port}", "--min_replicas", str(MIN_REPLICAS),
-               "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS),
-               "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+               *(self.lighthouse_settings or LighthouseSettings()).flags()]
         with (self.workdir / "lighthouse.log").open("wb") as log:
             self.lighthouse = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)
@@ -190,6 +259,8 @@ class _Cluster:
             code = replica.proc.poll()
             if code is None or code == 0:
                 continue
+            if replica.killed_by_us and time.time() < replica.down_until:
+                continue  # its host is still down
             if not replica.killed_by_us:
                 self.crashed.append({
                     "replica": replica.index, "generation": replica.generation,
@@ -206,11 +277,14 @@ class _Cluster:
             self.supervise()
             time.sleep(POLL_S)
 
-    def kill(self, index: int) -> float:
-        """SIGKILL replica ``index``'s process; returns the unix time of the kill."""
+    def kill(self, index: int, down_s: float = 0.0) -> float:
+        """SIGKILL replica ``index``'s process group (its whole process tree, at once: it leads
+        its own session); it is restarted ``down_s`` later, at the earliest. Returns the unix
+        time of the kill."""
         replica = self.replicas[index]
         replica.killed_by_us = True
         kill_time = time.time()
+        replica.down_until = kill_time + down_s
         kill_and_reap(replica.proc)
         return kill_time
 
@@ -244,8 +318,15 @@ def _warmed_up(cluster: _Cluster) -> bool:
 def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int,
                          model_params: Optional[int], workdir: Path, kill_interval_s: float,
                          victim: int = 1, sleep_per_step: float = 0.0,
-                         timeout_s: float = 600.0) -> dict:
+                         timeout_s: float = 600.0, down_s: float = 0.0,
+                         lighthouse: Optional[LighthouseSettings] = None) -> dict:
     """Train ``num_replicas`` torchft replicas and SIGKILL ``victim`` ``num_failures`` times.
+
+    A kill SIGKILLs the victim's whole process group at once (the replica leads its own
+    session), as a host dying with it would; the victim is restarted ``down_s`` after the kill
+    (0: at once, as torchrun would), as a host that reboots. ``lighthouse`` sets the
+    lighthouse's timing flags (None: this module's constants;
+    ``LighthouseSettings.torchft_defaults()``: torchft's own defaults).
 
     The first kill comes ``kill_interval_s`` after every replica has committed a few steps;
     each later one ``kill_interval_s`` after the previous kill, but never before the restarted
@@ -259,7 +340,8 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
         raise ValueError(f"victim {victim} is not one of the {num_replicas} replicas")
     failures: list[float] = []
     argv = _replica_argv(steps, model_params, sleep_per_step)
-    with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s) as cluster:
+    with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s,
+                  lighthouse_settings=lighthouse) as cluster:
         for index in range(num_replicas):
             cluster.add_replica(index)
         cluster.wait_until(lambda: _warmed_up(cluster), "all replicas to commit")
@@ -271,12 +353,12 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
                 "the victim to rejoin")
             if target.finished():
                 break
-            last = cluster.kill(victim)
+            last = cluster.kill(victim, down_s)
             failures.append(last)
         cluster.wait_until(cluster.all_finished, "all replicas to finish")
         return {"failures": failures, "rejoins": target.rejoin_times(),
                 "results": cluster.results(), "crashed": cluster.crashed,
-                "settings": torchft_settings()}
+                "settings": torchft_settings(lighthouse)}
 
 
 def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optional[int],

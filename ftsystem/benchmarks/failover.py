@@ -1,16 +1,29 @@
 """``ftsystem bench failover``: survivor stall per crash, ftsystem against torchft 0.2.0.
 
 One invocation runs the same scenario on both systems: 4 replicas of the same model, step time
-and data on loopback; one replica (the victim) is SIGKILLed from outside at a fixed interval,
-each time after it has rejoined. Stall = the survivors' longest inter-commit gap around a
-failure minus their normal step time (``ftsystem.stall``).
+and data; one replica (the victim) fails at a fixed interval. Stall = the survivors' longest
+inter-commit gap after the failure's instant minus their normal step time (``ftsystem.stall``).
+
+``--scenario process`` (default): the victim's training process is SIGKILLed from outside, on
+loopback, each time after it has rejoined; its agent lives on and reports the exit.
+
+``--scenario host``: a whole host dies with everything on it. ftsystem runs with every node in
+its own network namespace (``run_job(netns=True)``, the default ``--timeout``) and the fault is
+a ``host-kill`` chaos order: every process of the victim's host, its agent included, SIGKILLed
+at once; the host "reboots" (its agent starts again) ``--down`` seconds later. With
+``--nodes-per-replica 2`` the host is one node (chosen at random) of the victim's 2-node replica.
+torchft has no agent: the equivalent is a SIGKILL of the victim replica's whole process tree at
+once, restarted ``--down`` seconds later; it runs at torchft's default lighthouse timing and at a
+1 s heartbeat timeout. Several rounds, the order of the systems alternated per round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -21,6 +34,7 @@ from typing import Optional
 import typer
 
 from ftsystem import keys, report, stall
+from ftsystem.chaos import ChaosSpec
 from ftsystem.cli import bench_app
 from ftsystem.etcd_server import EmbeddedEtcd
 from ftsystem.launcher import RunConfig, replica_id, run_job
@@ -28,6 +42,29 @@ from ftsystem.store import Store
 
 VICTIM = 1
 WARMUP_STEPS = 20
+SCENARIOS = ("process", "host")
+
+HOST_INTERVAL_S = 40.0
+"""Seconds between host failures (one-node replicas, and torchft; see ``host_interval``). The
+victim must be a member again at each: after a host-kill here (2 cores, 4 replicas training)
+the host is down ``--down`` seconds, its agent takes 5-15 s to start and open a generation, the
+replica's program about 20 s to import, start and catch up; torchft's restart takes 7-25 s. A
+failure that finds the victim still restarting is reported but not counted."""
+HOST_STEP_OVERHEAD_S = 0.1
+"""Seconds a step takes beyond the emulated compute, at least, per node of a replica (here,
+4 replicas on 2 cores: 0.10-0.17 s for ftsystem and 0.17-0.26 s for torchft at 1 node per
+replica, 0.45 s for ftsystem at 2): sizes the run so that it outlasts the last failure."""
+HOST_DOWN_S = 2.0
+"""How long a killed host stays down before it "reboots"."""
+HOST_TIMEOUT_S = 30.0
+"""ftsystem's one timeout in the host scenario: the default (``RunConfig.timeout_s``, lease
+TTL 10 s); the point is what a host failure costs at defaults."""
+VICTIM_TRAINING_S = 3.0
+"""A failure counts only if the victim committed within this long before it: it was a member
+then (not still restarting from the previous failure)."""
+TORCHFT_SETTINGS = ("torchft", "torchft_1s")
+"""The torchft runs of the host scenario: at torchft's default lighthouse timing, and at the
+1 s heartbeat timeout of the process scenario (``torchft_scenario`` constants)."""
 
 
 def _registration(etcd: str, job: str, rid: str) -> dict | None:
@@ -113,13 +150,44 @@ def _stalls(timelines: dict, kills: list[float], victim: str) -> dict:
 
 @bench_app.command("failover")
 def failover(json_path: Optional[Path] = typer.Option(None, "--json", help="write results here"),
-             quick: bool = typer.Option(False, help="2 failures instead of 5 (about 2 min)"),
-             failures: int = typer.Option(0, help="override the number of failures"),
-             kill_interval: float = typer.Option(8.0, help="seconds between kills"),
+             scenario_name: str = typer.Option("process", "--scenario",
+                                               help="process: a training process is SIGKILLed; "
+                                                    "host: a whole host dies (root, netns)"),
+             quick: bool = typer.Option(False, help="2 failures instead of 5 (about 2 min); "
+                                                    "host: and 1 round"),
+             failures: int = typer.Option(0, help="override the number of failures (host: per "
+                                                  "round)"),
+             kill_interval: Optional[float] = typer.Option(
+                 None, help=f"seconds between failures (process: 8, host: {HOST_INTERVAL_S:g} "
+                            "for a one-node replica and torchft, more for several nodes)"),
              sleep_per_step: float = typer.Option(0.05, help="emulated compute per step"),
              model_params: int = typer.Option(0, help="model size (0: the small default)"),
-             skip_torchft: bool = typer.Option(False, help="run ftsystem only")) -> None:
-    """Survivor stall per replica crash: ftsystem vs torchft 0.2.0, same scenario."""
+             skip_torchft: bool = typer.Option(False, help="run ftsystem only"),
+             rounds: int = typer.Option(2, help="host: rounds (system order alternates)"),
+             down: float = typer.Option(HOST_DOWN_S, help="host: seconds a host stays down"),
+             steps: int = typer.Option(0, help="host: steps per run (0: enough for the "
+                                                "failures, see host_steps)"),
+             nodes_per_replica: list[int] = typer.Option(
+                 [1], help="host: nodes per replica (repeat for several layouts; the first is "
+                           "the JSON's top level, the others under 'layouts')"),
+             workdir: Optional[Path] = typer.Option(
+                 None, help="host: keep every run's directory (logs) here instead of a "
+                            "temporary one")) -> None:
+    """Survivor stall per replica crash (or host failure): ftsystem vs torchft 0.2.0."""
+    if scenario_name not in SCENARIOS:
+        raise typer.BadParameter(f"--scenario must be one of {', '.join(SCENARIOS)}, "
+                                 f"not {scenario_name!r}")
+    if scenario_name == "host":
+        data = run_host_bench(failures=failures or (2 if quick else 5),
+                              rounds=1 if quick else rounds,
+                              interval_s=kill_interval or HOST_INTERVAL_S, down_s=down,
+                              sleep_per_step=sleep_per_step, model_params=model_params,
+                              layouts=nodes_per_replica, skip_torchft=skip_torchft,
+                              workdir=workdir, steps=steps)
+        print_host_table(data)
+        report.write_json(json_path, data)
+        return
+    kill_interval = kill_interval or 8.0
     num_failures = failures or (2 if quick else 5)
     steps = int((num_failures + 2) * kill_interval / sleep_per_step)
     scenario = dict(num_replicas=4, num_failures=num_failures, steps=steps,
@@ -137,6 +205,270 @@ def failover(json_path: Optional[Path] = typer.Option(None, "--json", help="writ
                        ["system", "failures", "median stall (s)", "max stall (s)",
                         "normal step (s)"], rows)
     report.write_json(json_path, data)
+
+
+# --- the host scenario -----------------------------------------------------------------------
+
+def host_chaos(*, num_failures: int, interval_s: float, down_s: float, victim: str,
+               warmup_steps: int, step_estimate_s: float, seed: int = 0) -> list[ChaosSpec]:
+    """The host failures as chaos specs: failure ``i`` is a ``host-kill`` of ``victim``'s host
+    (a random node of it) ``(i + 1) * interval_s`` after the orders are submitted, and not
+    before the job has reached step ``warmup_steps`` and ``i`` spacings more: should start-up
+    take longer than the interval, the failures still come apart (at least about half an
+    interval of training between them) instead of all at once when the warm-up ends."""
+    spacing = math.ceil(interval_s / 2 / step_estimate_s)
+    return [ChaosSpec(actions=("host-kill",), replicas=(victim,), duration_s=down_s,
+                      every_s=(i + 1) * interval_s, horizon_s=(i + 1) * interval_s,
+                      after_step=warmup_steps + i * spacing, seed=seed + i)
+            for i in range(num_failures)]
+
+
+def host_interval(interval_s: float, nodes_per_replica: int) -> float:
+    """The interval for a replica of ``nodes_per_replica`` nodes, ``interval_s`` being a
+    one-node replica's: a replica of N nodes takes longer to restart (here 2 nodes: about 30 s
+    from launch to the first commit, against 20 s), so it gets half an interval more per
+    further node (2 nodes: 60 s at the default)."""
+    return interval_s * (1 + (nodes_per_replica - 1) / 2)
+
+
+def host_step_estimate(sleep_per_step: float, nodes_per_replica: int = 1) -> float:
+    """The shortest step expected (``HOST_STEP_OVERHEAD_S``): the nodes of a replica share
+    this machine's cores, so each node adds its overhead."""
+    return (sleep_per_step + HOST_STEP_OVERHEAD_S) * nodes_per_replica
+
+
+def host_steps(*, num_failures: int, interval_s: float, sleep_per_step: float,
+               nodes_per_replica: int = 1) -> int:
+    """Steps that outlast the last failure (``num_failures`` intervals after the orders are
+    submitted, before training starts) and half an interval more, at the shortest step
+    expected (a longer one only makes the run end later)."""
+    step_s = host_step_estimate(sleep_per_step, nodes_per_replica)
+    return WARMUP_STEPS + math.ceil((num_failures + 0.5) * interval_s / step_s)
+
+
+def run_ftsystem_host(*, num_replicas: int, num_failures: int, steps: int, interval_s: float,
+                      down_s: float, sleep_per_step: float, model_params: int,
+                      nodes_per_replica: int, workdir: Path, seed: int = 0) -> dict:
+    """The host scenario on ftsystem: ``run_job`` with every node in a network namespace, its
+    own embedded etcd, the default timeout, and the failures as ``host-kill`` orders."""
+    victim = replica_id(VICTIM)
+    cfg = RunConfig(num_replicas=num_replicas, num_steps=steps, job="failover-host",
+                    out_dir=workdir / "run", show_progress=False, netns=True,
+                    nodes_per_replica=nodes_per_replica, timeout_s=HOST_TIMEOUT_S,
+                    chaos=host_chaos(num_failures=num_failures, interval_s=interval_s,
+                                     down_s=down_s, victim=victim, warmup_steps=WARMUP_STEPS,
+                                     step_estimate_s=host_step_estimate(sleep_per_step,
+                                                                        nodes_per_replica),
+                                     seed=seed),
+                    train_args=["--sleep-per-step", str(sleep_per_step),
+                                "--model-params", str(model_params), "--loop", "plain"])
+    started = time.time()
+    summary = run_job(cfg)
+    results = cfg.out_dir / "results"
+    timelines = {p.stem: stall.read_timeline(p) for p in sorted(results.glob("*.commits"))}
+    orders = sorted((o for o in summary.get("chaos", []) if o["action"] == "host-kill"),
+                    key=lambda o: o["executed_at"] or float("inf"))
+    not_done = [o for o in orders if o["state"] != "done" or o["executed_at"] is None]
+    faults = [{"at": o["executed_at"], "at_s": o["executed_at"] - started,
+               "node": o["node"], "outcome": o["outcome"]}
+              for o in orders if o not in not_done]
+    return _host_stalls(timelines, faults, victim) | {
+        "orders_not_executed": [{"id": o["id"], "state": o["state"], "outcome": o["outcome"]}
+                                for o in not_done],
+        "bitwise_identical": summary["bitwise_identical"], "agents_ok": summary["agents_ok"],
+        "steps": summary["steps"], "wall_s": summary["wall_s"],
+        "ettr_time": summary.get("ettr_time"),
+        "replica_failures": [{"replica": f["replica"], "reason": f.get("reason"),
+                              "at_s": f["time"] - started} for f in summary["failures"]]}
+
+
+def run_torchft_host(*, num_replicas: int, num_failures: int, steps: int, interval_s: float,
+                     down_s: float, sleep_per_step: float, model_params: int, workdir: Path,
+                     setting: str) -> dict:
+    """The host scenario on torchft: the victim's process tree SIGKILLed at once, restarted
+    ``down_s`` later; ``setting`` "torchft" is torchft's default lighthouse timing, "torchft_1s"
+    the 1 s heartbeat timeout of the process scenario."""
+    from ftsystem.baselines.torchft_scenario import LighthouseSettings, run_torchft_failover
+    lighthouse = LighthouseSettings.torchft_defaults() if setting == "torchft" \
+        else LighthouseSettings()
+    started = time.time()
+    out = run_torchft_failover(num_replicas=num_replicas, num_failures=num_failures,
+                               steps=steps, model_params=model_params or None, workdir=workdir,
+                               kill_interval_s=interval_s, victim=VICTIM,
+                               sleep_per_step=sleep_per_step, down_s=down_s,
+                               lighthouse=lighthouse, timeout_s=3600.0)
+    timelines = {str(r["replica"]): r["commits"] for r in out["results"]}
+    # The victim's result holds its last generation only: whether it was training at a
+    # failure needs every generation's commits.
+    timelines[str(VICTIM)] = _torchft_commits(workdir, VICTIM)
+    faults = [{"at": t, "at_s": t - started} for t in out["failures"]]
+    hashes = {r["state_hash"] for r in out["results"]}
+    return _host_stalls(timelines, faults, str(VICTIM)) | {
+        "bitwise_identical": len(hashes) == 1, "crashed": out["crashed"],
+        "rejoin_s": [None if r is None else r - t for r, t in zip(out["rejoins"],
+                                                                 out["failures"])],
+        "settings": out["settings"]}
+
+
+def _torchft_commits(workdir: Path, index: int) -> list[tuple[int, float]]:
+    """Every generation's commits of torchft replica ``index``, from its progress files."""
+    from ftsystem.baselines.torchft_replica import progress_path
+    generations = sorted(int(p.name.split("_gen")[1].split(".")[0])
+                         for p in workdir.glob(f"replica{index}_gen*.json.progress"))
+    return [c for g in generations for c in stall.read_timeline(
+        progress_path(workdir / f"replica{index}_gen{g}.json"))]
+
+
+def _host_stalls(timelines: dict, faults: list[dict], victim: str) -> dict:
+    """Each failure's stall, from its instant; counted only if the victim was training then."""
+    counted = []
+    for fault in faults:
+        before = [t for _, t in timelines.get(victim, []) if t <= fault["at"]]
+        fault["victim_last_commit_s"] = fault["at"] - before[-1] if before else None
+        fault["victim_was_training"] = bool(before) and fault["at"] - before[-1] <= \
+            VICTIM_TRAINING_S
+        fault["stall_s"] = stall.failure_stall(timelines, fault["at"], [victim])
+        if fault["victim_was_training"] and fault["stall_s"] is not None:
+            counted.append(fault["stall_s"])
+    survivors = [tl for rid, tl in timelines.items() if rid != victim]
+    return {"failures": len(counted), "failures_injected": len(faults),
+            "stall_s": stall.distribution(counted), "per_failure_stall_s": counted,
+            "faults": faults,
+            "step_s": stall.distribution([stall.normal_step_time(t) for t in survivors])}
+
+
+def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: float,
+                   sleep_per_step: float, model_params: int, layouts: list[int],
+                   skip_torchft: bool, workdir: Optional[Path], steps: int = 0) -> dict:
+    """Every system of the host scenario, ``rounds`` times, the order alternated per round."""
+    from ftsystem.netns import netns_supported
+    if (why := netns_supported()) is not None:
+        raise RuntimeError(f"bench failover --scenario host: {why}")
+    layouts = list(dict.fromkeys(layouts)) or [1]
+    if any(n < 1 for n in layouts):
+        raise ValueError(f"--nodes-per-replica must be at least 1, not {layouts}")
+    common = dict(num_replicas=4, num_failures=failures, down_s=down_s,
+                  sleep_per_step=sleep_per_step, model_params=model_params)
+    systems = [f"ftsystem_{n}" for n in layouts] + ([] if skip_torchft else
+                                                      list(TORCHFT_SETTINGS))
+    # torchft's replica is one process: its runs are sized and timed like a one-node replica.
+    nodes = {name: int(name.split("_")[1]) if name.startswith("ftsystem_") else 1
+             for name in systems}
+    intervals = {name: host_interval(interval_s, nodes[name]) for name in systems}
+    planned = {name: steps or host_steps(
+        num_failures=failures, interval_s=intervals[name], sleep_per_step=sleep_per_step,
+        nodes_per_replica=nodes[name]) for name in systems}
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ftsystem-bench-host-"))
+    try:
+        for r in range(rounds):
+            for name in (systems if r % 2 == 0 else systems[::-1]):
+                where = root / f"round{r}" / name
+                print(f"failover host: round {r + 1}/{rounds}: {name}", flush=True)
+                try:
+                    if name.startswith("ftsystem_"):
+                        run = run_ftsystem_host(**common, steps=planned[name], workdir=where,
+                                                interval_s=intervals[name],
+                                                nodes_per_replica=nodes[name], seed=r * 100)
+                    else:
+                        run = run_torchft_host(**common, steps=planned[name], workdir=where,
+                                               interval_s=intervals[name], setting=name)
+                except Exception as e:  # the other runs still count; this one is reported
+                    print(f"failover host: {name} failed: {e!r}", flush=True)
+                    run = {"error": f"{type(e).__name__}: {e}", "bitwise_identical": False}
+                run["round"] = r
+                run["out_dir"] = str(where.relative_to(root))  # under --workdir, if kept
+                runs[name].append(run)
+    finally:
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    setup = {"num_replicas": 4, "victim": replica_id(VICTIM), "failures_per_round": failures,
+             "rounds": rounds, "interval_s": intervals, "down_s": down_s, "steps": planned,
+             "sleep_per_step": sleep_per_step, "model_params": model_params,
+             "warmup_steps": WARMUP_STEPS, "ftsystem_timeout_s": HOST_TIMEOUT_S,
+             "victim_training_s": VICTIM_TRAINING_S}
+    torchft = {name: _aggregate(runs[name]) for name in TORCHFT_SETTINGS if name in runs}
+    if torchft:
+        from ftsystem.baselines.torchft_scenario import lighthouse_defaults, manager_defaults
+        # What "torchft's defaults" are, read from the installed package (0.2.0: lighthouse
+        # heartbeat 5 s, join timeout 60 s, tick 100 ms; Manager timeouts 60 s, heartbeat
+        # every 100 ms), beside what each run used (its "settings").
+        setup["torchft_defaults"] = {"lighthouse": lighthouse_defaults(),
+                                     "manager": manager_defaults()}
+
+    def layout(n: int) -> dict:
+        ours = _aggregate(runs[f"ftsystem_{n}"]) | {
+            "nodes_per_replica": n, "interval_s": intervals[f"ftsystem_{n}"]}
+        out = {"ftsystem": ours}
+        for name, theirs in torchft.items():
+            out[f"median_stall_ratio_{name}_over_ftsystem"] = _ratio_spread(
+                runs[name], runs[f"ftsystem_{n}"], theirs, ours)
+        median = ours["stall_s"]["median"]
+        out["targets"] = {
+            "ftsystem_median_stall_at_most_2s": median is not None and median <= 2.0,
+            "ftsystem_median_below_torchft_default": None if "torchft" not in torchft else (
+                median is not None and torchft["torchft"]["stall_s"]["median"] is not None
+                and median < torchft["torchft"]["stall_s"]["median"])}
+        return out
+
+    first, *others = layouts
+    top = layout(first)
+    return {"scenario": "host", "nodes_per_replica": first, "setup": setup,
+            "ftsystem": top["ftsystem"], "torchft": torchft.get("torchft"),
+            "torchft_1s": torchft.get("torchft_1s"),
+            **{k: v for k, v in top.items() if k != "ftsystem"},
+            "layouts": {f"nodes_per_replica_{n}": layout(n) for n in others},
+            "target": "ftsystem median stall <= 2 s at defaults, below torchft's at its defaults",
+            "machine": report.machine()}
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    """One system's figures over its rounds: every counted failure, and each round's median
+    (a run that failed counts no failure and is listed under ``errors``)."""
+    done = [run for run in runs if "error" not in run]
+    stalls = [s for run in done for s in run["per_failure_stall_s"]]
+    return {"failures": len(stalls), "stall_s": stall.distribution(stalls),
+            "per_failure_stall_s": stalls,
+            "per_round_median_stall_s": [run.get("stall_s", {}).get("median") for run in runs],
+            "bitwise_identical": all(run["bitwise_identical"] for run in runs) and bool(runs),
+            "step_s": stall.distribution([run["step_s"]["median"] for run in done
+                                          if run["step_s"]["median"] is not None]),
+            "settings": next((run["settings"] for run in done if "settings" in run), None),
+            "errors": [{"round": run["round"], "error": run["error"]} for run in runs
+                       if "error" in run],
+            "rounds": runs}
+
+
+def _ratio_spread(theirs_runs: list[dict], ours_runs: list[dict], theirs: dict,
+                  ours: dict) -> dict:
+    """torchft's median stall over ftsystem's: overall, and per round (paired by round)."""
+    medians = [(t.get("stall_s", {}).get("median"), o.get("stall_s", {}).get("median"))
+               for t, o in zip(theirs_runs, ours_runs)]
+    per_round = [t / o for t, o in medians if t and o]
+    return {"value": _ratio(theirs, ours), "per_round": per_round,
+            "min": min(per_round, default=None), "max": max(per_round, default=None)}
+
+
+def print_host_table(data: dict) -> None:
+    rows = []
+    entries = [(f"ftsystem {data['nodes_per_replica']}n", data["ftsystem"])]
+    entries += [(f"ftsystem {v['ftsystem']['nodes_per_replica']}n", v["ftsystem"])
+                for v in data["layouts"].values()]
+    entries += [(label, data[key]) for key, label in
+                (("torchft", "torchft default"), ("torchft_1s", "torchft 1s")) if data.get(key)]
+    for name, r in entries:
+        rounds = ", ".join("-" if m is None else f"{m:.3g}" for m in r["per_round_median_stall_s"])
+        rows.append((name, r["failures"], r["stall_s"]["median"], r["stall_s"]["max"], rounds,
+                     r["step_s"]["median"], r["bitwise_identical"]))
+    report.print_table("failover --scenario host: survivor stall per host failure "
+                       "(Nn: N nodes per replica)",
+                       ["system", "failures", "median stall (s)", "max stall (s)",
+                        "round medians (s)", "normal step (s)", "bitwise identical"], rows)
+    for key in [k for k in data if k.startswith("median_stall_ratio_")]:
+        ratio = data[key]
+        if ratio["value"] is not None:
+            spread = ", ".join(f"{r:.3g}" for r in ratio["per_round"])
+            print(f"{key}: {ratio['value']:.3g} (per round: {spread})")
 
 
 def _ratio(theirs: dict | None, ours: dict) -> float | None:
