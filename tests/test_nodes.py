@@ -41,6 +41,7 @@ def _stepped_during(timeline: list, start: float, seconds: float) -> bool:
 
 
 @pytest.mark.skipif(NETNS is not None, reason=str(NETNS))
+@pytest.mark.timeout(600)  # 4 agents and up to 8 ranks on 2 cores: minutes on a busy machine
 @pytest.mark.parametrize("ranks", [1, 2], ids=["2x2x1", "2x2x2-fsdp2"])
 def test_a_dead_host_and_a_cut_link_restart_only_their_replica(tmp_path, ranks):
     steps = 150 if ranks == 1 else 100
@@ -80,6 +81,7 @@ def test_a_dead_host_and_a_cut_link_restart_only_their_replica(tmp_path, ranks):
     assert summary["bitwise_identical"] and summary["agents_ok"]
 
 
+@pytest.mark.timeout(600)
 def test_an_etcd_outage_longer_than_a_lease_restarts_only_the_replica_that_died(tmp_path):
     # etcd stops (SIGSTOP) for longer than the lease TTL, and replica r2 dies meanwhile.
     summary, results, timelines = _run(tmp_path, """
@@ -186,6 +188,7 @@ async def _wait_key(etcd_url: str, key: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.timeout(600)
 def test_a_spare_takes_the_place_of_a_node_whose_agent_died(etcd, job_id, tmp_path):
     """Two nodes and a spare on loopback: node 1's agent is SIGKILLed (its ranks die with it);
     node 0 hears it fall silent, frees its rank, the spare takes it, and the replica restarts
