@@ -9,7 +9,11 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from ftsystem.benchmarks.controller_bench import TARGET_P99_S, summarize
+from ftsystem.benchmarks.controller_bench import (NODES_TARGET_P99_S, TARGET_P99_S,
+                                                  KeepAliveSchedule, NodesConfig,
+                                                  ControllerMode, control_plane_budget,
+                                                  keepalive_request, metric, parse_prometheus,
+                                                  spread, summarize)
 from ftsystem.cli import app
 
 STATS = {"p50", "p99", "mean", "max"}
@@ -48,3 +52,94 @@ def test_bench_controller_writes_its_json(tmp_path, controller: str) -> None:
         assert data[measure]["p50"] <= data[measure]["p99"] <= data[measure]["max"]
     assert math.isfinite(data["registration_s"]) and data["registration_s"] > 0
     assert "removal: revoke -> epoch seen" in result.output
+
+
+# --- nodes mode ----------------------------------------------------------------------------------
+
+def test_budget_at_16384_node_agents() -> None:
+    cfg = NodesConfig(num_nodes=16384, num_replicas=64, num_samples=1, etcd=None,
+                      controller=ControllerMode.SUBPROCESS)
+    budget = control_plane_budget(cfg)
+    # 16,384 leases renewed every 10/3 s, plus 64 replica leases every 0.5 s.
+    assert budget["keepalives_per_s"] == pytest.approx(16384 * 3 / 10 + 64 * 2)
+    assert budget["writes_per_s"] == pytest.approx(64)  # one progress write per replica a second
+    assert cfg.nodes_per_replica == 256
+
+
+def test_keepalive_schedule_keeps_the_cadence() -> None:
+    schedule = KeepAliveSchedule()
+    schedule.add(1, 3.0, 1.0, now=0.0)
+    schedule.add(2, 3.0, 2.0, now=0.0)
+    assert schedule.due(0.5) == ([], 0.0)
+    assert schedule.due(1.5) == ([1], 0.5)
+    schedule.remove(2)
+    assert schedule.due(2.5)[0] == []  # removed: never sent again
+    assert schedule.due(4.0)[0] == [1]  # one interval after its last due time, not after 1.5
+    assert schedule.next_due() == pytest.approx(7.0)
+    assert schedule.due(20.0) == ([1], 13.0)  # far behind: restarts from now
+    assert schedule.next_due() == pytest.approx(23.0)
+
+
+def test_keepalive_request_is_the_protobuf_message() -> None:
+    from aetcd.rpc import LeaseKeepAliveRequest
+    for lease in (1, 127, 128, 7587882722066151000, 2**63 - 1):
+        body = LeaseKeepAliveRequest(ID=lease).SerializeToString()
+        assert keepalive_request(lease) == b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+def test_prometheus_metrics_parse_and_sum_over_labels() -> None:
+    samples = parse_prometheus(
+        '# HELP etcd_mvcc_put_total Total number of puts.\n'
+        'etcd_mvcc_put_total 42\n'
+        'grpc_server_msg_received_total{grpc_method="LeaseKeepAlive",grpc_type="bidi"} 7\n'
+        'grpc_server_msg_received_total{grpc_method="Watch",grpc_type="bidi"} 3\n'
+        'etcd_mvcc_db_total_size_in_bytes 2.4576e+06\n')
+    assert metric(samples, "etcd_mvcc_put_total") == 42
+    assert metric(samples, "grpc_server_msg_received_total") == 10
+    assert metric(samples, "grpc_server_msg_received_total", "LeaseKeepAlive") == 7
+    assert metric(samples, "etcd_mvcc_db_total_size_in_bytes") == 2457600
+    assert metric(samples, "etcd_mvcc") == 0  # a prefix of a name is not the name
+
+
+def test_replicas_are_spread_whole_over_processes() -> None:
+    groups = spread([f"r{i}" for i in range(10)], 4)
+    assert [len(g) for g in groups] == [3, 3, 2, 2]
+    assert sorted(r for g in groups for r in g) == sorted(f"r{i}" for i in range(10))
+    assert len(spread(["a", "b"], 8)) == 2
+
+
+def test_nodes_must_divide_into_replicas() -> None:
+    result = CliRunner().invoke(app, ["bench", "controller", "--nodes", "100", "--replicas", "8"])
+    assert result.exit_code == 2
+    assert "multiple of --replicas" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_bench_controller_nodes_mode_writes_its_json(tmp_path) -> None:
+    """512 node agents (2 processes) over 8 replicas: every lease end and join is an epoch."""
+    out = tmp_path / "controller_nodes.json"
+    result = CliRunner().invoke(app, ["bench", "controller", "--nodes", "512", "--replicas", "8",
+                                      "--revokes", "3", "--processes", "2", "--window", "2",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["mode"] == "nodes" and "machine" in data
+    assert data["config"]["nodes"] == 512 and data["config"]["replicas"] == 8
+    assert data["config"]["processes"] == 2 and data["config"]["lease_ttl_s"] == 10
+    for kind in ("node_lease_end", "reported_failure"):
+        stats = data["decision_latency_s"][kind]
+        assert set(stats) == STATS | {"n"} and stats["n"] == 3
+        assert all(math.isfinite(v) and v > 0 for v in stats.values())
+        assert stats["p50"] <= stats["p99"] <= stats["max"]
+    assert data["epochs"]["seen"] == data["epochs"]["expected"] == 1 + 2 * 2 * 3
+    etcd = data["etcd"]
+    for field in ("writes_per_s", "keepalives_per_s", "db_size_bytes", "db_in_use_bytes"):
+        assert math.isfinite(etcd[field]) and etcd[field] > 0, field
+    # The agents' keep-alives reach etcd at about the budgeted rate (a short window: loosely).
+    assert 0.5 < etcd["keepalives_per_s"] / data["budget"]["keepalives_per_s"] < 1.5
+    assert data["load"]["sustained"] and data["load"]["leases_lost"] == 0
+    assert data["error"] is None
+    assert data["target_p99_s"] == NODES_TARGET_P99_S
+    assert isinstance(data["meets_target"], bool)
+    assert "node lease end" in result.output and "reported failure" in result.output
