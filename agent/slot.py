@@ -1,9 +1,10 @@
 """An agent's hold on its node rank: ``agents/<replica>/<node rank>`` on the agent's own lease.
 
-Created only if absent, so two agents never hold one rank; kept alive at etcd's usual third of
-the TTL (the only steady etcd traffic a node adds: no writes, one keep-alive per node per TTL/3).
-If an etcd outage outlives the lease, the record is written again, but only if the rank is
-still free: a spare may have taken it meanwhile.
+Created only if absent, so two agents never hold one rank. The lease is a node lease in the
+Kubernetes sense (``NODE_LEASE_TTL_S``, renewed every ``NODE_LEASE_RENEW_S``): the only steady
+etcd traffic a node adds is one keep-alive per 10 s, and no writes. If an etcd outage outlives
+the lease, the record is written again, but only if the rank is still free: a spare may have
+taken it meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from ftsystem import keys
 from ftsystem.store import LeaseLostError, Store, StoreError
+from ftsystem.timeouts import NODE_LEASE_RENEW_S, NODE_LEASE_TTL_S
 
 from agent.rendezvous import Rendezvous, RendezvousError
 
@@ -26,8 +28,10 @@ class SlotTaken(RendezvousError):
 
 
 class NodeSlot:
-    def __init__(self, store: Store, rendezvous: Rendezvous, ttl_s: int, record: dict) -> None:
-        self.store, self.rendezvous, self.ttl_s = store, rendezvous, ttl_s
+    def __init__(self, store: Store, rendezvous: Rendezvous, record: dict, *,
+                 ttl_s: int = NODE_LEASE_TTL_S, renew_s: float = NODE_LEASE_RENEW_S) -> None:
+        self.store, self.rendezvous = store, rendezvous
+        self.ttl_s, self.renew_s = ttl_s, renew_s
         self.record = record
         """What the record says about this agent: uid, node_id, host, pid, pulse address."""
         self.node_rank: int | None = None
@@ -64,7 +68,7 @@ class NodeSlot:
                                      self.record["uid"])
         lease = await self.store.grant(self.ttl_s)
         await self.store.put_json(spare_key, self.record, lease=lease)
-        keep_alive = asyncio.create_task(self.store.keep_alive(lease, self.ttl_s))
+        keep_alive = asyncio.create_task(self.store.keep_alive(lease, self.ttl_s, self.renew_s))
         try:
             # A spare stands in for a node that was there and is gone, never for one that is
             # still starting: it waits for the replica's first generation.
@@ -99,7 +103,7 @@ class NodeSlot:
         lease and another agent took the rank meanwhile."""
         while True:
             try:
-                await self.store.keep_alive(self.lease, self.ttl_s)
+                await self.store.keep_alive(self.lease, self.ttl_s, self.renew_s)
             except LeaseLostError:
                 log.warning("node rank %d: lease lost (etcd outage); taking it again",
                             self.node_rank)

@@ -83,8 +83,9 @@ class AgentConfig:
     node_id: str = field(default_factory=socket.gethostname)
     """The machine: an agent restarted on the same one takes its node rank back at once."""
     lease_ttl_s: int = Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
-    """Lease TTL of the node and of the replica: the slow path that covers what pulses and
-    process exits do not (the CLI derives it from ``--timeout``, see ``ftsystem.timeouts``)."""
+    """TTL of the replica's lease: the slow path that covers what pulses and process exits do
+    not (the CLI derives it from ``--timeout``, see ``ftsystem.timeouts``). The node's own lease
+    is a longer node lease (``ftsystem.timeouts.NODE_LEASE_TTL_S``)."""
     peer_timeout_s: float = 1.0
     """A peer node silent this long is dead or cut off: the replica restarts."""
     max_restarts: int = 20
@@ -154,7 +155,7 @@ class Agent:
         try:
             self.spec = await self.rendezvous.check(self.cfg.node_rank)
             pulse_addr = await self.pulse.start()
-            self.slot = NodeSlot(self.store, self.rendezvous, self.cfg.lease_ttl_s, {
+            self.slot = NodeSlot(self.store, self.rendezvous, {
                 "uid": self.uid, "node_id": self.cfg.node_id, "host": self.cfg.host,
                 "pid": os.getpid(), "pulse_addr": pulse_addr, "metrics_addr": self.metrics_addr})
             if self.cfg.node_rank is None:

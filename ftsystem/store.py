@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
 import aetcd.exceptions as etcd_errors
+import grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -264,18 +265,43 @@ class Store:
         return None if reply.TTL < 0 else (reply.TTL, reply.grantedTTL)
 
     async def keep_alive(self, lease_id: int, ttl_s: int, every_s: float | None = None) -> None:
-        """Refresh ``lease_id`` every third of its TTL (or ``every_s``) until cancelled.
+        """Renew ``lease_id`` every third of its TTL (or ``every_s``) until cancelled.
 
-        An outage longer than the retry deadline does not end it: it keeps trying, because the
-        lease may survive (etcd extends leases across a leader change). Raises
-        :class:`LeaseLostError` once etcd answers that the lease is gone.
+        Renewals are messages on one long-lived ``LeaseKeepAlive`` stream, as etcd's own
+        clients send them: opening a stream per renewal costs etcd about as much again per
+        renewal, which matters with thousands of node agents. An outage does not end it: it
+        keeps trying on a new stream, because the lease may survive (etcd extends leases across
+        a leader change). Raises :class:`LeaseLostError` once etcd answers that the lease is
+        gone.
         """
-        while True:
-            await asyncio.sleep(every_s or ttl_s / 3)
-            try:
-                await self.refresh(lease_id)
-            except StoreUnavailableError as e:
-                log.warning("lease %x not refreshed: %s; still trying", lease_id, e)
+        stream: _KeepAliveStream | None = None
+        failing = False
+        try:
+            while True:
+                await asyncio.sleep(every_s or ttl_s / 3)
+                client = self._ensure_client()
+                try:
+                    stream = stream or await _KeepAliveStream.open(client)
+                    ttl = await stream.renew(lease_id)
+                except (*_TRANSIENT, aetcd.rpc.AioRpcError, etcd_errors.ClientError,
+                        asyncio.InvalidStateError, asyncio.CancelledError) as e:
+                    _reraise_real_cancellation(e)  # another task's reconnect closed the stream
+                    if not failing:
+                        log.warning("lease %x not renewed (%s); still trying", lease_id, e)
+                    failing = True
+                    if stream is not None:
+                        stream.close()
+                        stream = None
+                    await self._rotate(client)
+                    continue
+                if failing:
+                    log.info("lease %x renewed again", lease_id)
+                    failing = False
+                if ttl <= 0:
+                    raise LeaseLostError(f"lease {lease_id:x} expired or was revoked")
+        finally:
+            if stream is not None:
+                stream.close()
 
     # --- watches ---------------------------------------------------------------------------
 
@@ -313,6 +339,32 @@ class Store:
                 return await self._retry(self._status)
             except StoreUnavailableError as e:
                 log.warning("%s; still waiting", e)
+
+
+class _KeepAliveStream:
+    """One open ``LeaseKeepAlive`` call: a request written, its reply read, in turn."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+
+    @classmethod
+    async def open(cls, client: aetcd.Client) -> "_KeepAliveStream":
+        await client.connect()
+        return cls(client.leasestub.LeaseKeepAlive(metadata=client.metadata))
+
+    async def renew(self, lease_id: int) -> int:
+        """The lease's TTL after renewal; 0 when etcd no longer knows it."""
+        if self.call.done():  # the connection broke since the last renewal
+            raise ConnectionError("the keep-alive stream has ended")
+        await asyncio.wait_for(self.call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id)),
+                               RPC_TIMEOUT_S)
+        reply = await asyncio.wait_for(self.call.read(), RPC_TIMEOUT_S)
+        if reply is grpc.aio.EOF:
+            raise ConnectionError("etcd closed the keep-alive stream")
+        return reply.TTL
+
+    def close(self) -> None:
+        self.call.cancel()
 
 
 class HeldKey:

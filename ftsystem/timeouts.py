@@ -21,6 +21,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+NODE_LEASE_TTL_S = 40
+"""An agent's hold on its node rank (``agent.slot``) lapses this long after its last renewal,
+like a Kubernetes node lease (the kubelet's: 40 s, renewed every 10 s). It is not how a dead node
+is noticed (UDP pulses, the replica lease and the data plane do that in about a second, and the
+survivors free the dead node's rank at once); it only frees the rank of an agent that died with
+no surviving peer to free it, for a spare. Being long, it costs etcd 16,384 / 10 = 1,638
+keep-alives a second at 16,384 nodes, not the 4,915 of a 10 s lease renewed every third."""
+NODE_LEASE_RENEW_S = 10.0
+"""How often an agent renews its node lease: a quarter of the TTL, as the kubelet does."""
 MIN_TIMEOUT_S = 6.0
 """Below this the lease TTL (a third, whole seconds, at least 2) no longer fits."""
 

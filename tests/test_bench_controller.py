@@ -60,8 +60,9 @@ def test_budget_at_16384_node_agents() -> None:
     cfg = NodesConfig(num_nodes=16384, num_replicas=64, num_samples=1, etcd=None,
                       controller=ControllerMode.SUBPROCESS)
     budget = control_plane_budget(cfg)
-    # 16,384 leases renewed every 10/3 s, plus 64 replica leases every 0.5 s.
-    assert budget["keepalives_per_s"] == pytest.approx(16384 * 3 / 10 + 64 * 2)
+    # 16,384 node leases renewed every 10 s (as a kubelet renews its node lease), plus 64
+    # replica leases every 0.5 s.
+    assert budget["keepalives_per_s"] == pytest.approx(16384 / 10 + 64 * 2)
     assert budget["writes_per_s"] == pytest.approx(64)  # one progress write per replica a second
     assert cfg.nodes_per_replica == 256
 
@@ -127,6 +128,7 @@ def test_bench_controller_nodes_mode_writes_its_json(tmp_path) -> None:
     assert data["mode"] == "nodes" and "machine" in data
     assert data["config"]["nodes"] == 512 and data["config"]["replicas"] == 8
     assert data["config"]["processes"] == 2 and data["config"]["lease_ttl_s"] == 10
+    assert data["config"]["node_lease_ttl_s"] == 40
     for kind in ("node_lease_end", "reported_failure"):
         stats = data["decision_latency_s"][kind]
         assert set(stats) == STATS | {"n"} and stats["n"] == 3

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, etcd_binary, free_port
-from ftsystem.store import Store, StoreUnavailableError, parse_endpoints
+from ftsystem.store import LeaseLostError, Store, StoreUnavailableError, parse_endpoints
 
 
 def run(coro):
@@ -101,6 +103,73 @@ def test_watch_resumes_after_etcd_restart(tmp_path):
         assert run(scenario()) == [("PUT", "/w/before"), ("PUT", "/w/after")]
     finally:
         server.stop()
+
+
+def _keepalive_streams_opened(url: str) -> float:
+    """etcd's own count of LeaseKeepAlive streams it has accepted."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("grpc_server_started_total")
+               and 'grpc_method="LeaseKeepAlive"' in line)
+
+
+def test_keep_alive_renews_over_one_stream_across_a_restart_and_reports_a_lost_lease(tmp_path):
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd").start()
+
+    async def scenario():
+        async with Store(server.url, retry_deadline_s=20) as store:
+            lease = await store.grant(2)
+            await store.put("/k/held", "v", lease=lease)
+            before = _keepalive_streams_opened(server.url)
+            task = asyncio.create_task(store.keep_alive(lease, 2, every_s=0.2))
+            await asyncio.sleep(3.0)  # 15 renewals, past the TTL
+            streams = _keepalive_streams_opened(server.url) - before
+            held_while_renewed = await store.get("/k/held")
+            server.stop()
+            server.start()  # etcd keeps the lease across a restart; renewals resume
+            await asyncio.sleep(3.0)
+            held_after_restart = await store.get("/k/held")
+            await store.revoke(lease)
+            with pytest.raises(LeaseLostError):
+                await asyncio.wait_for(task, 10)
+            return streams, held_while_renewed, held_after_restart
+    try:
+        streams, held_while_renewed, held_after_restart = run(scenario())
+    finally:
+        server.stop()
+    assert streams == 1, f"{streams} keep-alive streams for 15 renewals: want one, long-lived"
+    assert held_while_renewed == b"v" and held_after_restart == b"v"
+
+
+def test_keep_alive_outlives_a_pause_while_other_calls_reconnect(tmp_path):
+    """etcd frozen (SIGSTOP) for 7 s, under the 10 s TTL, while a read on the same connection
+    times out and reconnects (closing the keep-alive's stream under it): the keep-alive goes
+    on, and the lease is still held afterwards."""
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd").start()
+
+    async def scenario():
+        async with Store(server.url, retry_deadline_s=30) as store:
+            lease = await store.grant(10)
+            await store.put("/p/held", "v", lease=lease)
+            task = asyncio.create_task(store.keep_alive(lease, 10, every_s=0.2))
+            await asyncio.sleep(0.5)
+            server.process.send_signal(signal.SIGSTOP)
+            loop = asyncio.get_running_loop()
+            loop.call_later(7.0, server.process.send_signal, signal.SIGCONT)
+            read_during_pause = await store.get("/p/held")  # retried until etcd is back
+            await asyncio.sleep(2.0)  # a few renewals after the pause
+            alive = not task.done()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return read_during_pause, alive, await store.lease_ttl(lease)
+    try:
+        read_during_pause, alive, ttl = run(scenario())
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        server.stop()
+    assert read_during_pause == b"v"
+    assert alive, "the keep-alive task ended during the pause"
+    assert ttl is not None and ttl[0] >= 8, f"lease not renewed after the pause: {ttl}"
 
 
 def test_missing_etcd_binary_says_how_to_install(monkeypatch):
