@@ -37,7 +37,7 @@ from agent.chaos import replica_executor
 from agent.pulse import DONE, ENDED, Pulse
 from agent.rendezvous import (Generation, Layout, Rendezvous, RendezvousError, rank_env,
                               replica_env)
-from agent.slot import NodeSlot
+from agent.slot import NodeSlot, SlotTaken
 from ftsystem import keys, metrics, runtime
 from ftsystem.etcd_server import free_port
 from ftsystem.faults import FaultPoint, format_fault_points
@@ -145,6 +145,7 @@ class Agent:
         self.metrics_addr = metrics.serve(cfg.host)
         self.spec: dict | None = None
         self.slot: NodeSlot | None = None
+        self.slot_lost = False
 
     async def run(self) -> int:
         """Supervise until the replica finishes (0), gives up (1), is refused (2), halts (3)
@@ -168,9 +169,12 @@ class Agent:
             return EXIT_BAD_INPUT
         chaos = replica_executor(self.store, self.cfg.job, self.cfg.replica_id,
                                  self._running_pids, mine=lambda: self.slot.node_rank == 0)
-        background = [asyncio.create_task(self.slot.hold()), asyncio.create_task(chaos.run())]
+        hold = asyncio.create_task(self.slot.hold())
+        hold.add_done_callback(self._on_slot_lost)
+        background = [hold, asyncio.create_task(chaos.run())]
         try:
-            return await self._supervise()
+            code = await self._supervise()
+            return 1 if self.slot_lost else code
         finally:
             await chaos.stop()
             for task in background:
@@ -183,6 +187,15 @@ class Agent:
     @property
     def node_rank(self) -> int:
         return self.slot.node_rank
+
+    def _on_slot_lost(self, hold: asyncio.Task) -> None:
+        """An etcd outage outlived the node lease and another agent (a spare) took the rank
+        meanwhile: that agent serves the node now, so this one stops its ranks and exits."""
+        if hold.cancelled() or not isinstance(hold.exception(), SlotTaken):
+            return
+        log.error("%s: stopping this node's ranks and exiting", hold.exception())
+        self.slot_lost = True
+        self.stop_requested.set()
 
     def _running_pids(self) -> list[int]:
         return [c.pid for c in self.children if c.returncode is None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -178,6 +179,47 @@ def test_the_first_agent_of_a_replica_fixes_its_shape(etcd, job_id, tmp_path):
         first.terminate()
         first.wait(30)
     assert not marker.exists()
+
+
+def test_an_agent_whose_rank_was_taken_while_it_was_cut_off_stops(etcd, job_id, tmp_path):
+    """An etcd outage outlived a node lease and a spare took the rank meanwhile (made here by
+    revoking the agent's node lease and writing another agent's record): at its next renewal
+    the agent finds the rank taken, stops its ranks and exits 1 saying why, instead of
+    running on as a second copy of the node."""
+    async def put_spec() -> None:
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.spec(job_id), {"replicas": 1, "replica_ids": ["r0"],
+                                                     "nodes_per_replica": 1,
+                                                     "nproc_per_node": 1})
+
+    async def take_the_rank() -> None:
+        async with Store(etcd.url) as store:
+            key = keys.agent(job_id, "r0", 0)
+            holder = await store.get_json(key)
+            await store.revoke(int(holder["lease"]))
+            lease = await store.grant(120)
+            assert await store.put_if_absent(key, json.dumps({"uid": "spare-1",
+                                                              "node_id": "other"}), lease=lease)
+    asyncio.run(put_spec())
+    pid_file = tmp_path / "rank.pid"
+    program = [sys.executable, "-c", "import os, time; open(%r, 'w').write(str(os.getpid())); "
+               "time.sleep(600)" % str(pid_file)]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd.url, "--job", job_id,
+         "--replica-id", "r0", "--node-rank", "0", "--timeout", str(TIMEOUT_S), "--",
+         *program], stderr=subprocess.PIPE, text=True)
+    try:
+        from conftest import wait_for
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 120, "the rank to start")
+        asyncio.run(take_the_rank())
+        _, err = agent.communicate(timeout=120)  # the next renewal is at most 10 s away
+    finally:
+        agent.kill()
+    assert agent.returncode == 1, err[-2000:]
+    assert "was taken by agent spare-1" in err
+    rank = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank, 0)
 
 
 async def _wait_key(etcd_url: str, key: str, timeout_s: float = 60.0) -> None:
