@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -361,9 +361,9 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: NodeAgents,
         result["commits"] = stall.read_timeline(path.with_suffix(".commits")) or result["commits"]
         results[result["replica"]] = result
     timeline.draw(results, failures, cfg.out_dir / "timeline.png")
+    chaos = sorted((json.loads(v) for v in orders.values()), key=lambda o: o["at"])
     return summarize(results, failures, wall_s=wall_s, num_replicas=cfg.num_replicas,
-                     agent_exit_codes=agents.exit_codes()) | {
-        "chaos": sorted((json.loads(v) for v in orders.values()), key=lambda o: o["at"])}
+                     agent_exit_codes=agents.exit_codes(), orders=chaos) | {"chaos": chaos}
 
 
 def _down_at(rid: str, t: float, timelines: dict, failures: list[dict]) -> bool:
@@ -374,20 +374,27 @@ def _down_at(rid: str, t: float, timelines: dict, failures: list[dict]) -> bool:
 
 
 def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
-              num_replicas: int, agent_exit_codes: list[int]) -> dict:
-    """Pure: the run's summary from replica results and the failure history."""
+              num_replicas: int, agent_exit_codes: list[int],
+              orders: Sequence[dict] = ()) -> dict:
+    """Pure: the run's summary from replica results, the failure history and the chaos orders
+    carried out. Stalls are measured from each fault's instant (``stall.faults``)."""
     timelines = {rid: r["commits"] for rid, r in results.items()}
-    for f in failures:
-        down = [rid for rid in timelines if _down_at(rid, f["time"], timelines, failures)]
-        f["stall_s"] = stall.failure_stall(timelines, f["time"], [f["replica"], *down])
+    faults = stall.faults(failures, orders)
+    for fault in faults:
+        down = [rid for rid in timelines if _down_at(rid, fault["time"], timelines, failures)]
+        fault["stall_s"] = stall.failure_stall(timelines, fault["time"],
+                                               [fault["replica"], *down])
+        for i in fault["explains"]:
+            failures[i] |= {"fault_time": fault["time"], "stall_s": fault["stall_s"]}
     hashes = {r["state_hash"] for r in results.values()}
     steps = {r["step"] for r in results.values()}
-    stalls = [f["stall_s"] for f in failures if f["stall_s"] is not None]
+    stalls = [f["stall_s"] for f in faults if f["stall_s"] is not None]
     return {
         "steps": max(steps, default=0),
         "replicas_finished": len(results),
         "agents_ok": all(code == 0 for code in agent_exit_codes),
         "failures": failures,
+        "faults": faults,
         "stall_s": stall.distribution(stalls),
         "step_time_s": stall.distribution([stall.normal_step_time(t) for t in timelines.values()
                                            if len(t) > 1]),

@@ -1,23 +1,65 @@
-"""Stall and ETTR arithmetic on hand-made timelines."""
+"""Stall and ETTR arithmetic on hand-made timelines, and one run measured from its faults."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from ftsystem.ettr import LiveEttr, ettr, job_timeline
-from ftsystem.stall import failure_stall, normal_step_time, survivor_stall
+from ftsystem.stall import failure_stall, faults, normal_step_time, survivor_stall
 
 
 def steady(start: float, n: int, step: float = 0.1, first_step: int = 1):
     return [(first_step + i, start + i * step) for i in range(n)]
 
 
-def test_survivor_stall_is_the_longest_gap_after_the_failure_minus_normal():
-    # commits every 0.1 s, then a 0.6 s gap right after a failure at t=1.05
+def test_survivor_stall_runs_from_the_fault_to_the_next_commit_less_a_step():
+    # commits every 0.1 s, then nothing from 1.0 s to 1.6 s: a fault at 1.05 s
     timeline = steady(0.0, 11) + steady(1.6, 10, first_step=12)
     assert normal_step_time(timeline) == pytest.approx(0.1)
-    assert survivor_stall(timeline, 1.05) == pytest.approx(0.5)
+    assert survivor_stall(timeline, 1.05) == pytest.approx(1.6 - 1.05 - 0.1)
     assert survivor_stall(timeline, 100.0) is None  # nothing committed after it
+    assert survivor_stall(timeline, -1.0) is None  # nor before it: it was not training
+
+
+def test_a_step_that_commits_after_the_fault_does_not_hide_the_stall():
+    # the step in flight commits on time (1.1 s), then nothing until 2.1 s
+    timeline = steady(0.0, 12) + steady(2.1, 10, first_step=13)
+    assert survivor_stall(timeline, 1.05) == pytest.approx(2.1 - 1.05 - 2 * 0.1)
+    # beyond the window it is not this fault's
+    assert survivor_stall(timeline, 0.55, window=3) == pytest.approx(0.0)
+
+
+def test_measuring_from_the_record_instead_of_the_fault_undercounts():
+    # A hang at 1.0 s, detected and recorded at 3.0 s; the survivor resumes at 3.1 s.
+    timeline = steady(0.0, 11) + steady(3.1, 10, first_step=12)
+    assert survivor_stall(timeline, 1.0) == pytest.approx(2.0)
+    assert survivor_stall(timeline, 3.0) == pytest.approx(0.0)  # what the record would say
+
+
+def test_faults_are_timed_by_the_order_that_explains_each_failure():
+    orders = [{"action": "hang", "replica": "r1", "state": "done", "executed_at": 10.0},
+              {"action": "kill", "replica": "r2", "state": "failed", "executed_at": 12.0},
+              {"action": "etcd-pause", "replica": "", "state": "done", "executed_at": 30.0},
+              {"action": "kill", "replica": "r1", "state": "pending", "executed_at": None}]
+    failures = [{"replica": "r1", "time": 13.0, "reason": "hung"},
+                {"replica": "r2", "time": 14.0, "reason": "exit -9"},  # no order carried out
+                {"replica": "r1", "time": 20.0, "reason": "crash"}]  # after r1's first record
+    found = faults(failures, orders)
+    assert [(f["time"], f["replica"], f["action"], f["source"], f["explains"])
+            for f in found] == [
+        (10.0, "r1", "hang", "chaos", [0]),
+        (14.0, "r2", "exit -9", "failure record", [1]),
+        (20.0, "r1", "crash", "failure record", [2]),
+        (30.0, "", "etcd-pause", "chaos", [])]
+
+
+def test_a_later_order_explains_a_failure_only_once():
+    orders = [{"action": "partition", "replica": "r0", "state": "done", "executed_at": t}
+              for t in (5.0, 6.0)]
+    found = faults([{"replica": "r0", "time": 9.0}], orders)
+    assert [(f["time"], f["explains"]) for f in found] == [(5.0, []), (6.0, [0])]
 
 
 def test_failure_stall_ignores_the_failed_replica():
@@ -72,3 +114,51 @@ def test_live_ettr_credits_coalesced_reports_and_not_a_joiners_jump():
     live.observe("b", 100, True, 10.0)
     assert live.values(10.0)["ettr_work"] == pytest.approx(0.5)
     assert LiveEttr(num_replicas=1).values(1.0) == {"ettr_time": None, "ettr_work": None}
+
+
+def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_path):
+    """End to end: the run's summary measures each fault from the execution of its chaos order,
+    so a stall includes the detection in front of it: for the hang, the watchdog (a third of
+    the timeout); for the kill, the time until the epoch without the victim was published."""
+    import textwrap
+
+    from ftsystem.chaos import parse_specs
+    from ftsystem.launcher import RunConfig, run_job
+    from ftsystem.runtime import HEARTBEAT_S
+    from ftsystem.timeouts import Timeouts
+
+    timeout_s = 6.0
+    cfg = RunConfig(num_replicas=3, num_steps=140, out_dir=tmp_path / "run",
+                    train_args=["--sleep-per-step", "0.05", "--loop", "plain"],
+                    timeout_s=timeout_s, show_progress=False, chaos=parse_specs(textwrap.dedent("""
+                        action: kill
+                        selector: {replicas: [r1]}
+                        after_step: 20
+                        ---
+                        action: hang
+                        selector: {replicas: [r2]}
+                        duration: 4s
+                        after_step: 80
+                    """)))
+    summary = run_job(cfg)
+    assert summary["agents_ok"] and summary["bitwise_identical"], summary
+    faults_by_action = {f["action"]: f for f in summary["faults"] if f["source"] == "chaos"}
+    kill, hang = faults_by_action["kill"], faults_by_action["hang"]
+    orders = {o["action"]: o for o in summary["chaos"]}
+    assert kill["time"] == orders["kill"]["executed_at"]
+    assert hang["time"] == orders["hang"]["executed_at"]
+    step = summary["step_time_s"]["median"]
+    # The survivors' next commits (at most the step in flight, then one after recovery) come
+    # only once the hung rank's heartbeat (last written up to HEARTBEAT_S before the hang) is
+    # older than the watchdog allows.
+    assert hang["stall_s"] >= Timeouts(timeout_s).watchdog_s - HEARTBEAT_S - 2 * step, hang
+    # ... and after the kill, once r0 has entered an epoch without r1.
+    result = json.loads((cfg.out_dir / "results" / "r0.json").read_text())
+    dropped = min(e["time"] for e in result["epochs"]
+                  if e["time"] > kill["time"] and "r1" not in e["members"])
+    assert kill["stall_s"] >= dropped - kill["time"] - 2 * step, (kill, dropped)
+    # Each failure carries the stall of the fault behind it.
+    by_replica = {f["replica"]: f for f in summary["failures"]}
+    assert by_replica["r1"]["fault_time"] == kill["time"]
+    assert by_replica["r2"]["fault_time"] == hang["time"]
+    assert by_replica["r2"]["stall_s"] == hang["stall_s"]

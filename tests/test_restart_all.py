@@ -29,7 +29,7 @@ NETNS = netns_supported()  # None, or why namespaces cannot be made here
 
 def _config(tmp_path: Path, **overrides) -> RestartAllConfig:
     settings = {"out_dir": tmp_path, "num_nodes": 3, "num_steps": 30,
-                "checkpoint_every": CHECKPOINT_EVERY, "timeout_s": 4.0, "deadline_s": 240.0,
+                "checkpoint_every": CHECKPOINT_EVERY, "timeout_s": 12.0, "deadline_s": 240.0,
                 "train_args": ["--sleep-per-step", "0.05"]}
     return RestartAllConfig(**settings | overrides)
 
@@ -125,8 +125,23 @@ def test_torchrun_command_is_elastic_restart_all(tmp_path: Path) -> None:
     text = " ".join(cmd)
     for part in ("torch.distributed.run", "--nnodes 3", "--rdzv-backend c10d",
                  "--rdzv-endpoint 10.0.0.1:29500", "--max-restarts 7", "--local-addr 10.0.0.2",
-                 "--no-python setpriv --pdeathsig KILL", "--until 123.000"):
+                 "--no-python setpriv --pdeathsig KILL", "--until 123.000",
+                 "--timeout 4.0"):  # a third of the one timeout (12 s), as ftsystem detects
         assert part in text, part
+
+
+def test_summary_measures_stalls_from_the_fault_instant() -> None:
+    # r1 killed at 5.05 s; the group is back at 9 s (r0's steps 6.. again from checkpoint 5).
+    r0 = [(s, float(s)) for s in range(1, 6)] + [(s, 3.0 + s) for s in range(6, 10)]
+    record = {"id": "k", "action": "kill", "replica": "r1", "at": 5.0, "executed_at": 5.05,
+              "state": "done", "outcome": "SIGKILL"}
+    summary = summarize(commits={"r0": r0, "r1": []}, starts={}, results={}, records=[record],
+                        outcome="finished", num_nodes=2, wall_s=0.0)
+    [fault] = summary["faults"]
+    assert fault["time"] == 5.05 and fault["action"] == "kill"
+    # from the kill to the next commit (9 s), less a normal step (1 s)
+    assert fault["stall_s"] == pytest.approx(9.0 - 5.05 - 1.0)
+    assert summary["stall_s"]["median"] == pytest.approx(fault["stall_s"])
 
 
 def test_window_ettr_counts_a_stall_at_the_end_of_the_window() -> None:

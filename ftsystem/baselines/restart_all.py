@@ -10,7 +10,8 @@ Failure injection, from :class:`ftsystem.chaos.Order` s naming replicas ``r0..rN
 
 - ``kill``: SIGKILL the node's worker; its agent and then all others restart the group;
 - ``hang``: SIGSTOP the worker for the order's duration, then SIGCONT; the peers notice through
-  the Gloo collective timeout of the training group (``timeout_s``), the only detector there is;
+  the Gloo collective timeout of the training group, the only detector there is, which gets the
+  detection budget ftsystem's one timeout gives its own detectors (``collective_timeout_s``);
 - ``partition`` (``netns=True``): each node is a host in its own network namespace and its link
   goes down for the duration, without a TCP reset.
 
@@ -39,14 +40,14 @@ from pathlib import Path
 from typing import Self
 
 import ftsystem
-from ftsystem import ettr
+from ftsystem import ettr, stall
 from ftsystem.baselines import restart_all_worker as worker
 from ftsystem.chaos import ChaosSpec, Order, expand
 from ftsystem.launcher import replica_id
 from ftsystem.netns import IFACE, Host, HostNetwork
-from ftsystem.stall import read_timeline
 from ftsystem.procs import die_with_parent, kill_and_reap
-from ftsystem.stall import Timeline
+from ftsystem.stall import Timeline, read_timeline
+from ftsystem.timeouts import Timeouts
 
 POLL_S = 0.2
 # torchrun agents leave together (an exit barrier); one still running this long after another
@@ -72,8 +73,9 @@ class RestartAllConfig:
     """Steps between checkpoints; a restart recomputes the steps since the last one."""
     max_restarts: int = 100
     """torchrun ``--max-restarts``: worker-group restarts before the job fails."""
-    timeout_s: float = 10.0
-    """Gloo collective timeout: how long a hung or cut-off peer can stall the group."""
+    timeout_s: float = 30.0
+    """The one timeout, as ftsystem's ``--timeout`` (``ftsystem.timeouts``): the longest a hung
+    or cut-off peer may stall the group."""
     startup_timeout_s: float = 120.0
     """How long ranks wait for each other when a generation starts (imports, checkpoint)."""
     deadline_s: float = 900.0
@@ -85,6 +87,12 @@ class RestartAllConfig:
     job: str = "restart-all"
     """The rendezvous id."""
 
+    def collective_timeout_s(self) -> float:
+        """The Gloo collective timeout, the baseline's only detector of a hung or cut-off peer:
+        the time ftsystem's watchdog and lease give theirs (a third of the one timeout), so
+        that both systems get the same detection budget."""
+        return Timeouts(self.timeout_s).watchdog_s
+
 
 def torchrun_command(cfg: RestartAllConfig, *, endpoint: str, local_addr: str,
                      until: float = 0.0) -> list[str]:
@@ -93,7 +101,7 @@ def torchrun_command(cfg: RestartAllConfig, *, endpoint: str, local_addr: str,
                  f"read_timeout={RDZV_READ_TIMEOUT_S}")
     train = [sys.executable, "-m", worker.__name__, "--workdir", str(cfg.out_dir),
              "--steps", str(cfg.num_steps), "--checkpoint-every", str(cfg.checkpoint_every),
-             "--timeout", str(cfg.timeout_s), "--startup-timeout", str(cfg.startup_timeout_s),
+             "--timeout", str(cfg.collective_timeout_s()), "--startup-timeout", str(cfg.startup_timeout_s),
              "--until", f"{until:.3f}", *cfg.train_args]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cfg.num_nodes),
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
@@ -381,14 +389,21 @@ def restart_rounds(starts: dict[str, list[dict]], commits: dict[str, Timeline]) 
 def summarize(*, commits: dict[str, Timeline], starts: dict[str, list[dict]],
               results: dict[str, dict], records: list[dict], outcome: str,
               num_nodes: int, wall_s: float) -> dict:
-    """The baseline run's summary, in the shape of ``ftsystem run``'s where they overlap."""
+    """The baseline run's summary, in the shape of ``ftsystem run``'s where they overlap;
+    stalls measured from each fault's instant (``stall.faults``), as ftsystem's are."""
     timelines = {name: final_lineage(c) for name, c in commits.items()}
     rounds = restart_rounds(starts, commits)
+    faults = stall.faults([], records)
+    for fault in faults:
+        fault["stall_s"] = stall.failure_stall(timelines, fault["time"], [fault["replica"]])
     return {
         "outcome": outcome,
         "finished": outcome == "finished",
         "steps": max((r["step"] for r in results.values()), default=0),
         "failures": sorted(records, key=lambda r: r["at"]),
+        "faults": faults,
+        "stall_s": stall.distribution([f["stall_s"] for f in faults
+                                       if f["stall_s"] is not None]),
         "restarts": len(rounds),
         "restart_rounds": rounds,
         "recomputed_steps": sum(r["recomputed_steps"] for r in rounds),

@@ -10,7 +10,14 @@ offsets on the same replicas.
 Both ETTRs come from ``ftsystem.ettr`` over the same window: from the system's first commit to
 its launch plus ``--duration`` (the schedule's horizon); commits after it, free of faults, are
 not counted. The baseline's commits count once, in the lineage that survived (steps rolled back
-by a restart are lost work).
+by a restart are lost work). Both systems' stalls come from ``ftsystem.stall``, from each
+fault's instant (the execution of its order) to the survivors' next commit, less a normal step.
+
+Both run at the same one timeout (``--timeout``, ftsystem's default 30 s), with the same
+meaning: ftsystem's watchdog and lease detect a hang or a partition in a third of it, and the
+baseline's only detector, its Gloo collective timeout, gets that same third
+(``RestartAllConfig.collective_timeout_s``). ``--rounds N`` runs both N times, the order
+alternated per round; the JSON gives each figure's median and min/max over the rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Annotated
 
 import typer
 
-from ftsystem import ettr, report
+from ftsystem import ettr, report, stall
 from ftsystem.chaos import ChaosSpec, expand, parse_duration, spec_from_mapping
 from ftsystem.cli import bench_app
 from ftsystem.launcher import replica_id
@@ -39,7 +46,9 @@ BOTH_DO = ("kill", "hang", "partition")
 # window at the baseline's step time (the same model and emulated compute), so that it is
 # still training when the window closes, even with no fault at all.
 STEP_MARGIN = 1.1
-TARGET = "ftsystem ettr_time >= 0.90"
+TARGET = "ftsystem ettr_time >= 0.95"
+SYSTEMS = ("restart_all", "ftsystem")
+DEFAULT_TIMEOUT_S = 30.0  # ftsystem's default (RunConfig.timeout_s)
 # ftsystem's window starting this much later than the baseline's means lost history.
 WINDOW_WARNING_S = 30.0
 NOTES = [
@@ -100,7 +109,7 @@ def measure(timelines: Mapping[str, Timeline], *, num_replicas: int, launched: f
     done = [o for o in injected
             if o.get("state") == "done" and start <= o["executed_at"] <= end]
     return {**window_ettr(timelines, num_replicas=num_replicas, end=end),
-            "window_start_s": start - launched,
+            "window_start_s": start - launched, "window_end": end,
             "failures": len(done),
             "failures_by_action": {a: sum(o["action"] == a for o in done)
                                    for a in sorted({o["action"] for o in done})},
@@ -130,10 +139,29 @@ def run_baseline(*, spec: ChaosSpec, num_replicas: int, duration_s: float, timeo
                  for i in range(num_replicas)}
     measured = measure(timelines, num_replicas=num_replicas, launched=summary["launched"],
                        end=summary["launched"] + duration_s, injected=summary["failures"])
-    return measured | {"outcome": summary["outcome"], "restarts": summary["restarts"],
-                       "recomputed_steps": summary["recomputed_steps"],
-                       "step_s": _step_time(timelines), "checkpoint_every": checkpoint_every,
-                       "eval_loss": summary["eval_loss"], "injected": summary["failures"]}
+    stalls = stall_summary(summary["faults"], start=summary["launched"],
+                           end=measured["window_end"])
+    return measured | stalls | {
+        "outcome": summary["outcome"], "restarts": summary["restarts"],
+        "recomputed_steps": summary["recomputed_steps"], "step_s": _step_time(timelines),
+        "checkpoint_every": checkpoint_every, "collective_timeout_s": cfg.collective_timeout_s(),
+        "eval_loss": summary["eval_loss"], "injected": summary["failures"]}
+
+
+def stall_summary(faults: list[dict], *, start: float, end: float) -> dict:
+    """The stalls of the faults between ``start`` and ``end`` (pure): their distribution, and
+    per action how many, their median and their total (which faults cost the most)."""
+    inside = [f for f in faults if start <= f["time"] <= end and f.get("stall_s") is not None]
+    by_action = {}
+    for action in sorted({f["action"] for f in inside}):
+        values = [f["stall_s"] for f in inside if f["action"] == action]
+        by_action[action] = {"n": len(values), **report.spread(values),
+                             "total_s": sum(values)}
+    return {"stall_s": stall.distribution([f["stall_s"] for f in inside]),
+            "stall_total_s": sum(f["stall_s"] for f in inside),
+            "stall_by_action": by_action,
+            "faults": [{k: f[k] for k in ("time", "action", "replica", "stall_s")}
+                       for f in inside]}
 
 
 def run_ftsystem(*, spec: ChaosSpec, first_offset_s: float, num_replicas: int,
@@ -155,8 +183,9 @@ def run_ftsystem(*, spec: ChaosSpec, first_offset_s: float, num_replicas: int,
         end = min(end, max(t for tl in timelines.values() for _, t in tl))
     measured = measure(timelines, num_replicas=num_replicas, launched=launched, end=end,
                        injected=orders)
-    return measured | {"history": history, "replica_failures": len(summary["failures"]),
-                       "stall_s": summary["stall_s"], "step_s": _step_time(timelines),
+    return measured | stall_summary(summary["faults"], start=launched, end=end) | {
+        "history": history, "replica_failures": len(summary["failures"]),
+        "step_s": _step_time(timelines),
                        "bitwise_identical": summary["bitwise_identical"],
                        "eval_loss": summary["eval_loss"], "injected": orders}
 
@@ -221,15 +250,19 @@ def ettr_bench(
         seed: Annotated[int, typer.Option(help="seeds the schedule and its choices")] = 0,
         replicas: Annotated[int, typer.Option(min=2, help="replicas (baseline: torchrun nodes)")
                             ] = 4,
-        quick: Annotated[bool, typer.Option(help=f"{QUICK_DURATION_S:.0f} s per system")
-                         ] = False,
+        quick: Annotated[bool, typer.Option(help=f"{QUICK_DURATION_S:.0f} s per system, "
+                                                 "one round")] = False,
+        rounds: Annotated[int, typer.Option(min=1, help="runs of each system, the order "
+                                                        "alternated per round")] = 1,
         actions: Annotated[str, typer.Option(help="actions to mix, comma-separated")
                            ] = "kill,hang,partition",
         fault_duration: Annotated[str, typer.Option(help="how long a hang or partition lasts")
                                   ] = "10s",
-        timeout: Annotated[float, typer.Option(help="ftsystem's one timeout, and the "
-                                               "baseline's Gloo collective timeout (s)")
-                           ] = 10.0,
+        timeout: Annotated[float, typer.Option(help="the one timeout of both systems (s): "
+                                               "ftsystem's --timeout; the baseline's Gloo "
+                                               "collective timeout gets a third of it, as "
+                                               "ftsystem's detectors do")
+                           ] = DEFAULT_TIMEOUT_S,
         checkpoint_every: Annotated[int, typer.Option(min=1, help="baseline: steps per "
                                                       "checkpoint")] = 10,
         sleep_per_step: Annotated[float, typer.Option(help="emulated compute per step (s)")
@@ -239,6 +272,7 @@ def ettr_bench(
 ) -> None:
     """ETTR under one seeded chaos schedule: ftsystem vs synchronous restart-all (torchrun)."""
     duration = QUICK_DURATION_S if quick else duration
+    rounds = 1 if quick else rounds
     # A SIGTERM unwinds like Ctrl-C, so that namespaces and processes are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = _checked_spec(actions, duration, mtbf, fault_duration, seed, timeout)
@@ -251,16 +285,18 @@ def ettr_bench(
     from ftsystem.netns import NetnsError
     from ftsystem.store import StoreError
     try:
-        ours, theirs = _run_both(spec, plan, replicas=replicas, duration_s=duration,
-                                 timeout_s=timeout, checkpoint_every=checkpoint_every,
-                                 netns=netns, sleep_per_step=sleep_per_step, workdir=workdir)
+        runs = _run_rounds(spec, plan, rounds=rounds, replicas=replicas, duration_s=duration,
+                           timeout_s=timeout, checkpoint_every=checkpoint_every, netns=netns,
+                           sleep_per_step=sleep_per_step, workdir=workdir)
     except (NetnsError, StoreError, EtcdNotInstalledError, EtcdStartError) as e:
         raise _fail(str(e))
-    data = {"ftsystem": ours, "restart_all": theirs, "ratio": ratios(ours, theirs),
-            "warning": window_warning(ours, theirs),
+    data = {**{name: aggregate(runs[name]) for name in SYSTEMS},
+            "ratio": round_ratios(runs["ftsystem"], runs["restart_all"]),
+            "warnings": [w for o, t in zip(runs["ftsystem"], runs["restart_all"])
+                         if (w := window_warning(o, t))],
             "target": TARGET, "notes": NOTES, "machine": report.machine(), "schedule": plan,
             "settings": {"duration_s": duration, "mtbf": mtbf, "seed": seed,
-                         "replicas": replicas, "actions": list(spec.actions),
+                         "replicas": replicas, "rounds": rounds, "actions": list(spec.actions),
                          "fault_duration": fault_duration, "timeout_s": timeout,
                          "checkpoint_every": checkpoint_every,
                          "sleep_per_step": sleep_per_step, "netns": netns}}
@@ -268,25 +304,61 @@ def ettr_bench(
     report.write_json(json_path, data)
 
 
-def _run_both(spec: ChaosSpec, plan: list[dict], *, replicas: int, duration_s: float,
-              timeout_s: float, checkpoint_every: int, netns: bool, sleep_per_step: float,
-              workdir: Path | None) -> tuple[dict, dict]:
-    """The baseline, then ftsystem for about as long (its step count from the baseline's pace)."""
+def _run_rounds(spec: ChaosSpec, plan: list[dict], *, rounds: int, replicas: int,
+                duration_s: float, timeout_s: float, checkpoint_every: int, netns: bool,
+                sleep_per_step: float, workdir: Path | None) -> dict[str, list[dict]]:
+    """Both systems ``rounds`` times, the order alternated per round. ftsystem trains a step
+    count: from the baseline's pace when one is known (the same model and emulated compute)."""
     train_args = ["--sleep-per-step", str(sleep_per_step)]
-    with tempfile.TemporaryDirectory(prefix="ftsystem-bench-ettr-") as tmp:
-        root = workdir or Path(tmp)
-        typer.echo(f"restart-all: {duration_s:.0f} s under {len(plan)} faults ...", err=True)
-        theirs = run_baseline(spec=spec, num_replicas=replicas, duration_s=duration_s,
-                              timeout_s=timeout_s, checkpoint_every=checkpoint_every,
-                              netns=netns, train_args=train_args, workdir=root / "restart_all")
-        steps = math.ceil(STEP_MARGIN * duration_s / (theirs["step_s"] or sleep_per_step))
-        typer.echo(f"ftsystem: {steps} steps under the same {len(plan)} faults ...", err=True)
-        ours = run_ftsystem(spec=spec, first_offset_s=plan[0]["at_s"] if plan else 0.0,
+    pace: list[float] = []
+
+    def run(name: str, r: int, root: Path) -> dict:
+        where = root / f"round{r}" / name
+        typer.echo(f"round {r + 1}/{rounds}: {name}, {duration_s:.0f} s under "
+                   f"{len(plan)} faults ...", err=True)
+        if name == "restart_all":
+            out = run_baseline(spec=spec, num_replicas=replicas, duration_s=duration_s,
+                               timeout_s=timeout_s, checkpoint_every=checkpoint_every,
+                               netns=netns, train_args=train_args, workdir=where)
+            pace.extend([out["step_s"]] if out["step_s"] else [])
+            return out | {"round": r}
+        steps = math.ceil(STEP_MARGIN * duration_s / (pace[-1] if pace else sleep_per_step))
+        return run_ftsystem(spec=spec, first_offset_s=plan[0]["at_s"] if plan else 0.0,
                             num_replicas=replicas, duration_s=duration_s, timeout_s=timeout_s,
                             num_steps=steps, netns=netns,
-                            train_args=[*train_args, "--loop", "plain"],
-                            workdir=root / "ftsystem")
-    return ours, theirs
+                            train_args=[*train_args, "--loop", "plain"], workdir=where
+                            ) | {"round": r}
+
+    with tempfile.TemporaryDirectory(prefix="ftsystem-bench-ettr-") as tmp:
+        root = workdir or Path(tmp)
+        return report.in_rounds(SYSTEMS, rounds, lambda name, r: run(name, r, root))
+
+
+FIGURES = {"ettr_time": "ettr_time", "ettr_work": "ettr_work",
+           "median_stall_s": "stall_s.median", "stall_total_s": "stall_total_s",
+           "failures": "failures", "step_s": "step_s"}
+"""The figures each round gives (a dotted path into its result), reported over the rounds."""
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """One system over its rounds (pure): each figure's median and min/max over the rounds,
+    the stalls of every fault of every round, per action too, and every round in full."""
+    faults = [f for run in runs for f in run["faults"]]
+    by_action = {}
+    for action in sorted({f["action"] for f in faults}):
+        values = [f["stall_s"] for f in faults if f["action"] == action]
+        by_action[action] = {"n": len(values), **report.spread(values),
+                             "total_s": sum(values)}
+    return {**report.per_round(runs, FIGURES),
+            "stall_per_fault_s": stall.distribution([f["stall_s"] for f in faults]),
+            "stall_by_action": by_action, "rounds": runs}
+
+
+def round_ratios(ours: list[dict], theirs: list[dict]) -> dict:
+    """ftsystem's ETTR over the baseline's, per round (paired within a round) and their spread."""
+    pairs = [ratios(o, t) for o, t in zip(ours, theirs)]
+    return {k: report.spread([p[k] for p in pairs]) | {"per_round": [p[k] for p in pairs]}
+            for k in ("ettr_time", "ettr_work")}
 
 
 def _netns_problem() -> str | None:
@@ -295,23 +367,27 @@ def _netns_problem() -> str | None:
 
 
 def _print(data: dict) -> None:
+    def fmt(figure: dict) -> str:
+        if figure["median"] is None:
+            return "-"
+        return f"{figure['median']:.3g} [{figure['min']:.3g}, {figure['max']:.3g}]"
+
     def row(name: str, r: dict) -> tuple:
-        faults = ", ".join(f"{a} {n}" for a, n in r.get("failures_by_action", {}).items())
-        start = r["window_start_s"]
-        return (name, r["ettr_time"], r["ettr_work"], f"{r['failures']} ({faults or '-'})",
-                r.get("restarts", r.get("replica_failures")),
-                f"+{start:.0f} to +{start + r['interval_s']:.0f}", r["steps_in_window"],
-                r["step_s"])
-    ours, ratio = data["ftsystem"], data["ratio"]
+        costs = ", ".join(f"{a} {c['n']}: {c['total_s']:.0f} s"
+                          for a, c in r["stall_by_action"].items())
+        return (name, fmt(r["ettr_time"]), fmt(r["ettr_work"]), fmt(r["median_stall_s"]),
+                costs or "-", fmt(r["step_s"]))
+    settings, ratio = data["settings"], data["ratio"]
     report.print_table(
-        f"ETTR over {data['settings']['duration_s']:.0f} s, mtbf {data['settings']['mtbf']}, "
-        f"seed {data['settings']['seed']}",
-        ["system", "ETTR time", "ETTR work", "faults injected", "restarts / replica failures",
-         "window (s after launch)", "steps in window", "normal step (s)"],
-        [row("ftsystem", ours), row("restart-all", data["restart_all"]),
-         ("ratio", ratio["ettr_time"], ratio["ettr_work"], "", "", "", "", "")])
-    if shrunk := window_warning(ours, data["restart_all"]):
-        typer.secho(shrunk, err=True, fg=typer.colors.YELLOW)
+        f"ETTR over {settings['duration_s']:.0f} s, mtbf {settings['mtbf']}, seed "
+        f"{settings['seed']}, timeout {settings['timeout_s']:g} s, {settings['rounds']} "
+        "round(s): median [min, max]",
+        ["system", "ETTR time", "ETTR work", "median stall (s)",
+         "faults: total stall", "normal step (s)"],
+        [row("ftsystem", data["ftsystem"]), row("restart-all", data["restart_all"]),
+         ("ratio", fmt(ratio["ettr_time"]), fmt(ratio["ettr_work"]), "", "", "")])
+    for warning in data["warnings"]:
+        typer.secho(warning, err=True, fg=typer.colors.YELLOW)
     typer.echo(data["machine"])
 
 
