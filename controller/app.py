@@ -26,10 +26,18 @@ from ftsystem.store import HeldKey, Store, StoreError
 log = logging.getLogger(__name__)
 # Chaos specs accepted per window (s): chaos is an experiment, not a load. "N/SECONDS".
 ENV_CHAOS_RATE = "FTSYSTEM_CHAOS_RATE"
+INTERNAL_EPOCH_FIELDS = ("store_addr",)
+"""Left out of the public view: the rendezvous store's address. (The state servers' addresses
+live in registrations and catch-up assignments, which the view does not copy.)"""
 
 
-def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
+def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> FastAPI:
+    """The controller's app. Raises ``AuthConfigError`` (before anything starts) when no API
+    token is configured and ``insecure`` is not set."""
     is_leader = asyncio.Event()
+    # On the app, not per route: a route added later is closed by default too.
+    auth = BearerAuth(load_token(), insecure=insecure)
+    metrics.init_controller(cfg.job)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,7 +56,8 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             await store.close()
 
-    app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan)
+    app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan,
+                  dependencies=[Depends(auth)])
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -75,10 +84,9 @@ def create_app(store: Store, cfg: LeaderConfig) -> FastAPI:
                                  f"GET /v1/jobs/{job} lists its replicas")
 
     limit, _, window = os.environ.get(ENV_CHAOS_RATE, "10/60").partition("/")
-    auth, chaos_rate = BearerAuth(load_token()), RateLimit(int(limit), float(window))
+    chaos_rate = RateLimit(int(limit), float(window))
 
-    @app.post("/v1/jobs/{job}/chaos", status_code=201,
-              dependencies=[Depends(auth), Depends(chaos_rate)])
+    @app.post("/v1/jobs/{job}/chaos", status_code=201, dependencies=[Depends(chaos_rate)])
     async def post_chaos(job: str, spec: dict[str, Any] = Body(...)) -> dict:
         """Validate a chaos spec, expand it against the job's replicas, store the orders."""
         _check_job(cfg.job, job)
@@ -166,6 +174,8 @@ def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
         rid = path.split("/", 1)[0]
         restarts[rid] = restarts.get(rid, 0) + 1
     epoch = json.loads(items.get(keys.epoch(job), b"null"))
+    if epoch:  # where the replicas meet is theirs to know, not the API's readers'
+        epoch = {k: v for k, v in epoch.items() if k not in INTERNAL_EPOCH_FIELDS}
     leader = items.get(keys.leader(job))
     replicas = []
     for rid in sorted(set(registrations) | set(agents)):
@@ -185,16 +195,36 @@ def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
 
 
 def discovery_targets(job: str, items: dict[str, bytes]) -> list[dict]:
-    """Pure: one target group per process that serves metrics (Prometheus HTTP SD format)."""
+    """Pure: one target group per process that serves metrics (Prometheus HTTP SD format).
+
+    Target labels name the process: ``replica`` and ``node_rank`` for an agent, ``replica`` and
+    ``rank`` for a training rank (each rank publishes its endpoint; a replica whose ranks did
+    not, an older writer, is found by its registration, as rank 0)."""
     groups = []
-    for prefix, component, field in ((keys.controllers(job), "controller", "addr"),
-                                     (keys.agents(job), "agent", "metrics_addr"),
-                                     (keys.replicas(job), "replica", "metrics_addr")):
-        for key, value in sorted(items.items()):
-            addr = json.loads(value).get(field) if key.startswith(prefix) else None
-            if addr:
-                groups.append({"targets": [addr], "labels": {
-                    "job": job, "component": component, "instance_id": key[len(prefix):]}})
+
+    def add(addr: Any, component: str, instance_id: str, **labels: str) -> None:
+        if addr:
+            groups.append({"targets": [addr], "labels": {
+                "job": job, "component": component, "instance_id": instance_id, **labels}})
+
+    def under(prefix: str) -> list[tuple[str, dict]]:
+        return [(k[len(prefix):], json.loads(v)) for k, v in sorted(items.items())
+                if k.startswith(prefix)]
+
+    for name, record in under(keys.controllers(job)):
+        add(record.get("addr"), "controller", name)
+    for name, record in under(keys.agents(job)):
+        replica, _, node = name.partition("/")
+        add(record.get("metrics_addr"), "agent", name, replica=replica,
+            node_rank=node.lstrip("0") or "0")
+    ranked = set()
+    for name, record in under(keys.metrics_endpoints(job)):
+        replica, _, rank = name.partition("/")
+        ranked.add(replica)
+        add(record.get("addr"), "replica", name, replica=replica, rank=rank.lstrip("0") or "0")
+    for name, record in under(keys.replicas(job)):
+        if name not in ranked:
+            add(record.get("metrics_addr"), "replica", name, replica=name, rank="0")
     return groups
 
 

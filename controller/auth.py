@@ -1,8 +1,10 @@
-"""Bearer-token authentication for the controller's mutating endpoints.
+"""Bearer-token authentication for the controller's mutating requests.
 
-The token comes from ``FTSYSTEM_API_TOKEN`` or from the file named by
-``FTSYSTEM_API_TOKEN_FILE``; it is compared in constant time and never logged. Without a
-token configured the endpoints are open (a warning says so at start).
+Closed by default: every request that changes something (any method but GET, HEAD and
+OPTIONS, on any route, present or future) needs ``Authorization: Bearer <token>``. The token
+comes from ``FTSYSTEM_API_TOKEN`` or from the file named by ``FTSYSTEM_API_TOKEN_FILE``; it is
+compared in constant time and never logged. A controller with no token starts only when told
+``--insecure`` explicitly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from fastapi import HTTPException, Request
 log = logging.getLogger(__name__)
 ENV_TOKEN = "FTSYSTEM_API_TOKEN"
 ENV_TOKEN_FILE = "FTSYSTEM_API_TOKEN_FILE"
+READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class AuthConfigError(ValueError):
+    """Neither a token nor ``--insecure``: the controller refuses to start."""
 
 
 def load_token() -> str | None:
@@ -25,20 +32,27 @@ def load_token() -> str | None:
         try:
             return open(path).read().strip() or None
         except OSError as e:
-            raise RuntimeError(f"{ENV_TOKEN_FILE}={path}: cannot read the token ({e})") from e
+            raise AuthConfigError(f"{ENV_TOKEN_FILE}={path}: cannot read the token ({e})") from e
     return os.environ.get(ENV_TOKEN) or None
 
 
 class BearerAuth:
-    """A FastAPI dependency: 401 unless ``Authorization: Bearer <token>`` matches."""
+    """A FastAPI dependency: 401 for a mutating request without the matching bearer token."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, *, insecure: bool = False) -> None:
+        if token is None and not insecure:
+            raise AuthConfigError(
+                f"no API token: set {ENV_TOKEN} (or {ENV_TOKEN_FILE} to a file holding it), "
+                "or pass --insecure to leave the mutating endpoints open to anyone who reaches "
+                "this port")
+        if token is not None and insecure:
+            log.warning("--insecure has no effect: an API token is configured and required")
+        elif token is None:
+            log.warning("--insecure: mutating endpoints are open to anyone who reaches this port")
         self._token = token.encode() if token else None
-        if token is None:
-            log.warning("no API token configured (%s): mutating endpoints are open", ENV_TOKEN)
 
     def __call__(self, request: Request) -> None:
-        if self._token is None:
+        if self._token is None or request.method in READ_ONLY_METHODS:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):

@@ -14,14 +14,16 @@ from controller.leader import LeaderConfig
 from ftsystem.store import Store
 
 
-def serve(*, etcd: str, job: str, port: int, host: str = "127.0.0.1",
-          instance_id: str | None = None, min_replicas: int = 1) -> None:
+def serve(*, etcd: str, job: str, port: int, bind: str, advertise_address: str,
+          instance_id: str | None = None, min_replicas: int = 1, insecure: bool = False) -> None:
+    """Listen on ``bind:port``; publish ``advertise_address:port`` for discovery."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(message)s")
-    cfg = LeaderConfig(job=job, min_replicas=min_replicas, address=f"{host}:{port}",
+    cfg = LeaderConfig(job=job, min_replicas=min_replicas,
+                       address=f"{advertise_address}:{port}",
                        instance_id=instance_id or f"{socket.gethostname()}-{os.getpid()}-{port}")
+    app = create_app(Store(etcd), cfg, insecure=insecure)  # refuses an open API first
     asyncio.run(_check_reachable(etcd))  # fail fast, with the store's message
-    app = create_app(Store(etcd), cfg)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=bind, port=port, log_level="warning")
 
 
 async def _check_reachable(etcd: str) -> None:

@@ -21,6 +21,27 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(chaos_app, name="chaos")
 
 ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379)"
+# The names the ranks already read (ftsystem.runtime.ENV_ETCD, ENV_JOB): one setting for all.
+ENV_ETCD, ENV_JOB = "FTSYSTEM_ETCD", "FTSYSTEM_JOB"
+ADVERTISE_HELP = ("address peers and Prometheus reach this process at (default: "
+                  "$POD_IP on Kubernetes, else this host's routable address)")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            typer.echo(f"ftsystem {version('ftsystem')}")
+        except PackageNotFoundError:
+            typer.echo("ftsystem (not installed: run pip install -e .)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(_version_flag: bool = typer.Option(False, "--version", callback=_version,
+                                             is_eager=True, help="print the version and exit")
+          ) -> None:
+    """ftsystem: fault-tolerant training jobs (FT-HSDP, HALoS)."""
 
 
 def _fail(message: str) -> typer.Exit:
@@ -64,15 +85,26 @@ def etcd(data_dir: Optional[Path] = typer.Option(None, help="data directory (def
 
 
 @app.command()
-def controller(etcd: str = typer.Option(..., help=ETCD_HELP),
-               job: str = typer.Option(..., help="the job this controller manages"),
+def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
+               job: str = typer.Option(..., envvar=ENV_JOB,
+                                       help="the job this controller manages"),
                port: int = typer.Option(8080, help="REST API port"),
-               host: str = typer.Option("127.0.0.1", help="address to listen on"),
+               bind: str = typer.Option("0.0.0.0", envvar="FTSYSTEM_BIND",
+                                        help="address to listen on"),
+               advertise_address: Optional[str] = typer.Option(
+                   None, envvar="FTSYSTEM_ADVERTISE_ADDRESS", help=ADVERTISE_HELP),
+               host: Optional[str] = typer.Option(None, hidden=True,
+                                                  help="old: --bind and --advertise-address"),
+               insecure: bool = typer.Option(False, help="serve without an API token: anyone "
+                                             "who reaches the port may POST (chaos)"),
                min_replicas: int = typer.Option(1, min=1, help="used when the job has no spec"),
                instance_id: Optional[str] = typer.Option(None, help="name in leader election")
                ) -> None:
-    """Run a controller instance: leader election, membership epochs, REST API, /metrics."""
+    """Run a controller instance: leader election, membership epochs, REST API, /metrics.
+    Mutating requests need FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), unless --insecure."""
+    from controller.auth import AuthConfigError
     from controller.main import serve
+    from ftsystem.addresses import default_advertise_address
     from ftsystem.store import parse_endpoints
     _check_id("job", job)
     if instance_id is not None:
@@ -83,16 +115,17 @@ def controller(etcd: str = typer.Option(..., help=ETCD_HELP),
         raise typer.BadParameter(str(e), param_hint="--etcd") from e
     from ftsystem.store import StoreError
     try:
-        serve(etcd=etcd, job=job, port=port, host=host, instance_id=instance_id,
-              min_replicas=min_replicas)
-    except StoreError as e:
+        serve(etcd=etcd, job=job, port=port, bind=host or bind,
+              advertise_address=host or advertise_address or default_advertise_address(),
+              instance_id=instance_id, min_replicas=min_replicas, insecure=insecure)
+    except (StoreError, AuthConfigError) as e:
         raise _fail(str(e))
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def agent(command: List[str] = typer.Argument(..., help="the replica's program, after --"),
-          etcd: str = typer.Option(..., help=ETCD_HELP),
-          job: str = typer.Option(..., help="job id"),
+          etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
+          job: str = typer.Option(..., envvar=ENV_JOB, help="job id"),
           replica_id: str = typer.Option(..., help="the replica this agent supervises a node of"),
           node_rank: Optional[int] = typer.Option(None, min=0, help="this node's place in the "
                                                   "replica, 0..nodes-1 (torchrun's GROUP_RANK);"
@@ -111,7 +144,16 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
           max_restarts: int = typer.Option(20, min=0),
           timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S): "
                                         "watchdog and lease TTL are a third of it"),
-          host: str = typer.Option("127.0.0.1", help="address peers reach this replica at"),
+          advertise_address: Optional[str] = typer.Option(
+              None, "--advertise-address", "--host", envvar="FTSYSTEM_ADVERTISE_ADDRESS",
+              help=ADVERTISE_HELP + "; the replica's ranks listen on it too"),
+          bind: Optional[str] = typer.Option(None, envvar="FTSYSTEM_BIND", help="address the "
+                                             "metrics endpoints listen on (e.g. 0.0.0.0); "
+                                             "default: the advertised address"),
+          metrics_port: Optional[int] = typer.Option(
+              None, min=1, max=65535, envvar="FTSYSTEM_METRICS_PORT", help="fixed metrics "
+              "port: the agent serves on it, the rank of local rank k on PORT+1+k; default: "
+              "free ports, found through the controller's /v1/sd/prometheus"),
           gpus: str = typer.Option("", help="one GPU per rank, e.g. 0,1,2,3: rank k sees only "
                                    "the k-th (CUDA_VISIBLE_DEVICES); default: every rank sees "
                                    "the node's GPUs and uses cuda:LOCAL_RANK")
@@ -134,8 +176,15 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--gpus") from e
     from ftsystem.store import StoreError
+    from ftsystem import metrics
+    from ftsystem.addresses import default_advertise_address
     timeouts = _timeouts(timeout)
     os.environ[ENV_TIMEOUT] = str(timeout)
+    host = advertise_address or default_advertise_address()
+    # Read by metrics.serve here and in the ranks, which inherit this environment.
+    for name, value in ((metrics.ENV_BIND, bind), (metrics.ENV_METRICS_PORT, metrics_port)):
+        if value is not None:
+            os.environ[name] = str(value)
     if spare and node_rank is not None:
         raise typer.BadParameter("a spare takes whichever node rank falls free: give either "
                                  "--spare or --node-rank", param_hint="--spare")
@@ -169,8 +218,9 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         kill_at: List[str] = typer.Option(
             [], help="inject a fault: STEP:REPLICA[:PHASE], PHASE step (SIGKILL between "
                      "steps, default), allreduce (SIGKILL mid-all-reduce) or fail-allreduce"),
-        etcd: Optional[str] = typer.Option(None, help=ETCD_HELP + "; default: embedded"),
-        job: str = typer.Option("job", help="job id"),
+        etcd: Optional[str] = typer.Option(None, envvar=ENV_ETCD,
+                                           help=ETCD_HELP + "; default: embedded"),
+        job: str = typer.Option("job", envvar=ENV_JOB, help="job id"),
         out: Path = typer.Option(Path("runs/latest"), help="results, logs and summary"),
         model_params: int = typer.Option(0, help="approximate model size (0: small default)"),
         sleep_per_step: float = typer.Option(0.0, help="extra seconds per step"),
@@ -240,9 +290,11 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
 
 @chaos_app.command("apply")
 def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or JSON"),
-                etcd: str = typer.Option(..., help=ETCD_HELP),
-                job: str = typer.Option(..., help="job id")) -> None:
-    """Validate chaos specs (one or several YAML documents) and store their orders."""
+                etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
+                job: str = typer.Option(..., envvar=ENV_JOB, help="job id")) -> None:
+    """Validate chaos specs (one or several YAML documents) and store their orders directly in
+    etcd. This bypasses the controller's API, its token and its rate limit: it needs etcd
+    credentials. Through the API: POST /v1/jobs/{job}/chaos with the bearer token."""
     import asyncio
     import time
     from ftsystem.chaos import ChaosSpecError, parse_specs, submit
@@ -252,6 +304,9 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
         specs = parse_specs(spec_file.read_text())
     except (OSError, ChaosSpecError) as e:
         raise _fail(f"{spec_file}: {e}; nothing was stored")
+    typer.secho("note: chaos apply writes to etcd directly, bypassing the controller's API "
+                "(its token and rate limit); it needs etcd credentials. With a controller "
+                "running, prefer POST /v1/jobs/<job>/chaos.", err=True, fg=typer.colors.YELLOW)
 
     async def store_orders():
         async with Store(etcd) as store:

@@ -95,6 +95,16 @@ def generation(job_id: str, replica_id: str) -> str:
     return f"{job(job_id)}/generations/{check_id('replica', replica_id)}"
 
 
+def metrics_endpoints(job_id: str) -> str:
+    """Every rank's metrics endpoint, ``<replica>/<rank>`` -> ``{"addr": "host:port"}``, on the
+    replica lease: Prometheus discovers all ranks, not only the registering rank 0."""
+    return f"{job(job_id)}/metrics/"
+
+
+def metrics_endpoint(job_id: str, replica_id: str, rank: int) -> str:
+    return f"{metrics_endpoints(job_id)}{check_id('replica', replica_id)}/{rank:05d}"
+
+
 def catchups(job_id: str) -> str:
     """Prefix of donor assignments for catching-up replicas (leader-owned, leader's lease)."""
     return f"{job(job_id)}/catchup/"

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,9 @@ from ftsystem.procs import die_with_parent
 from ftsystem.runtime import ENV_TIMEOUT
 from ftsystem.service_chaos import ServiceChaos
 from ftsystem.store import Store, StoreError
+
+ENV_API_TOKEN = "FTSYSTEM_API_TOKEN"
+"""The controllers' API token (``controller.auth``; not imported: the web stack stays out)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,13 +212,16 @@ def run_job(cfg: RunConfig) -> dict:
         services = ServiceChaos(etcd, cfg.job, cluster)
         try:
             ports = [port or free_port() for port in cfg.controller_ports]
+            token = _api_token(cfg.out_dir)
             for i, port in enumerate(ports):
                 services.add_controller(f"c{i}", functools.partial(
                     procs.start, f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
                                                         cfg.job, "--port", str(port),
-                                                        "--instance-id", f"c{i}"),
+                                                        "--instance-id", f"c{i}",
+                                                        "--bind", "127.0.0.1",
+                                                        "--advertise-address", "127.0.0.1"),
                     # The leader derives the replicas' lease TTL from the same timeout.
-                    env=os.environ | {ENV_TIMEOUT: str(cfg.timeout_s)}))
+                    env=os.environ | {ENV_TIMEOUT: str(cfg.timeout_s), ENV_API_TOKEN: token}))
             agents = NodeAgents(cfg, etcd, node_hosts, procs, os.environ | _checkpoint_env(cfg))
             for index, node_rank in agents.nodes():
                 if (host := agents.host(index, node_rank)) is not None:
@@ -233,6 +240,17 @@ def run_job(cfg: RunConfig) -> dict:
             procs.stop_all()
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _api_token(out_dir: Path) -> str:
+    """A fresh token for this run's controllers, also in ``OUT/api-token`` (owner-only) for
+    whoever posts chaos to their API while the run lasts."""
+    token = secrets.token_hex(16)
+    path = out_dir / "api-token"
+    path.unlink(missing_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(token)
+    return token
 
 
 def _checkpoint_env(cfg: RunConfig) -> dict[str, str]:

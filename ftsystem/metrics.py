@@ -1,13 +1,26 @@
 """Every Prometheus metric of ftsystem, in one module (``ftsystem_`` prefix, base units).
 
-Each process exposes the metrics it updates; the others stay at zero.
+Each process exposes the metrics it updates; the others stay at zero. Each process also creates
+its labelled series at start (``init_*``): a counter that appears only with its first event
+hides that event from ``increase()``, so an alert on the first failure would never fire.
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ENV_METRICS_PORT = "FTSYSTEM_METRICS_PORT"
+"""A fixed metrics port for a node: its agent serves on it, the rank of ``LOCAL_RANK`` k on
+port + 1 + k (for firewalls and static scrape configs). Unset: free ports, found by discovery."""
+ENV_BIND = "FTSYSTEM_BIND"
+"""The address metrics endpoints listen on (e.g. 0.0.0.0); unset: the advertised address."""
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                    300.0, 600.0)
+"""0.01 s to 600 s: past the 30 s default timeout, so a step or stall that hit it is counted in
+a bucket of its own instead of only in +Inf."""
 
 # --- controller ---
 REPLICAS = Gauge("ftsystem_replicas", "Registered replicas by state", ["job", "state"])
@@ -53,7 +66,7 @@ SAMPLES = Counter("ftsystem_samples_total", "Training samples committed", ["job"
 # --- catch-up ---
 CATCHUP_DURATION = Histogram("ftsystem_catchup_duration_seconds",
                              "From a joiner's start of catch-up to ready", ["job", "replica"],
-                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+                             buckets=_LATENCY_BUCKETS)
 CATCHUP_BYTES = Counter("ftsystem_catchup_bytes_total", "Bytes a joiner fetched from donors",
                         ["job", "replica"])
 CATCHUP_STEPS = Counter("ftsystem_catchup_steps_replayed_total",
@@ -64,9 +77,63 @@ EPOCH_CHANGE = Histogram("ftsystem_epoch_change_seconds",
 
 
 def serve(host: str) -> str:
-    """Expose this process's metrics on a free port; returns ``host:port`` to advertise."""
-    server, _ = start_http_server(0, addr=host)
+    """Expose this process's metrics (on ``ENV_BIND`` if set, else ``host``; on the port
+    ``ENV_METRICS_PORT`` assigns it, else a free one); returns ``host:port`` to advertise."""
+    server, _ = start_http_server(metrics_port(os.environ), addr=os.environ.get(ENV_BIND) or host)
     return f"{host}:{server.server_port}"
+
+
+def metrics_port(env: dict[str, str] | os._Environ) -> int:
+    """Pure: this process's metrics port from the node's fixed port, or 0 (a free one)."""
+    if not (base := env.get(ENV_METRICS_PORT)):
+        return 0
+    try:
+        port = int(base)
+    except ValueError:
+        raise ValueError(f"{ENV_METRICS_PORT}={base!r}: expected a port number") from None
+    return port + 1 + int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else port
+
+
+CHAOS_STATES = ("done", "failed")
+"""The outcomes an agent records for a chaos order (``ftsystem.chaos_executor``)."""
+EPOCH_REASONS = ("start", "join", "removal", "resync")
+"""Why an epoch was published (``ftsystem.membership``)."""
+DIVERGENCE_FINDERS = ("state-digest", "commit-chain")
+"""How a divergence was found (``ftsystem.hsdp``)."""
+
+
+def init_controller(job: str) -> None:
+    """Create the controller's series at zero."""
+    from ftsystem.membership import ReplicaState
+    for state in [s.value for s in ReplicaState] + ["restarting", "down"]:
+        REPLICAS.labels(job, state)
+    for reason in EPOCH_REASONS:
+        MEMBERSHIP_CHANGES.labels(job, reason)
+    for kind in ("time", "work"):
+        ETTR.labels(job, kind)
+    for metric in (EPOCH, EPOCH_MEMBERS, DECISION_LATENCY, IS_LEADER):
+        metric.labels(job)
+
+
+def init_agent(job: str, replica: str) -> None:
+    """Create an agent's series at zero."""
+    from ftsystem.chaos import ACTIONS
+    for action in ACTIONS:
+        for state in CHAOS_STATES:
+            FAILURES_INJECTED.labels(job, action, state)
+    REPLICA_RESTARTS.labels(job, replica)
+
+
+def init_replica(job: str, replica: str) -> None:
+    """Create a training process's series at zero."""
+    for metric in (STEPS, STEP_DURATION, FTAR_DURATION, FTAR_OVERLAPPED, FTAR_FAILURES, STALL,
+                   LOSS, FINGERPRINT_DURATION, SAMPLES, CATCHUP_DURATION, CATCHUP_BYTES,
+                   CATCHUP_STEPS):
+        metric.labels(job, replica)
+    for found_by in DIVERGENCE_FINDERS:
+        DIVERGENCE.labels(job, replica, found_by)
+    for reason in EPOCH_REASONS:
+        EPOCH_CHANGE.labels(job, replica, reason)
 
 
 # --- HALoS real mode (ftsystem/halos/): served by the GPS, each LPS and each worker ---

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import faulthandler
+import logging
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Coroutine, TypeVar
 
-from ftsystem import keys
+from ftsystem import keys, metrics
 from ftsystem.membership import Epoch, Registration, ReplicaState
 from ftsystem.store import Store, StoreError
 
@@ -168,6 +169,7 @@ class ControlPlane:
         self._lease_used = ctx.lease_id
         self._write_lock: asyncio.Lock | None = None  # created on the background loop
         self._bg.run(self._store.connect())
+        metrics.init_replica(ctx.job, ctx.replica_id)
         # The first read of the epoch happens before the constructor returns: callers decide
         # on it (catch up, or join a starting job).
         items, revision = self._bg.run(self._store.get_prefix(keys.epoch(ctx.job)))
@@ -206,7 +208,10 @@ class ControlPlane:
         return self.ctx.rank == 0
 
     def register(self, **changes: Any) -> None:
-        """Publish this replica's registration (bound to the agent's lease), waiting for it."""
+        """Publish this replica's registration (bound to the agent's lease), waiting for it;
+        every rank publishes its own metrics endpoint."""
+        if addr := changes.get("metrics_addr"):
+            self._bg.run(self._put_metrics_addr(addr), timeout=self.ctx.timeout_s)
         if self.speaks_for_replica:
             self._bg.run(self._put_registration(changes), timeout=self.ctx.timeout_s)
 
@@ -230,6 +235,13 @@ class ControlPlane:
             except (OSError, ValueError):
                 pass  # not written (yet): the first one holds
         return self.ctx.lease_id
+
+    async def _put_metrics_addr(self, addr: str) -> None:
+        key = keys.metrics_endpoint(self.ctx.job, self.ctx.replica_id, self.ctx.rank)
+        try:
+            await self._store.put_json(key, {"addr": addr}, lease=self._lease() or None)
+        except StoreError as e:  # discovery only: not worth failing the replica for
+            logging.getLogger(__name__).warning("metrics endpoint not published: %s", e)
 
     async def _put_registration(self, changes: dict[str, Any]) -> None:
         # Concurrent puts may reach etcd in any order: a late step report could overwrite

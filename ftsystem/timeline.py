@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-import matplotlib
+from ftsystem.ettr import job_timeline
 
-matplotlib.use("Agg")  # files only: no display on servers
-import matplotlib.pyplot as plt  # noqa: E402
-
-from ftsystem.ettr import job_timeline  # noqa: E402
+log = logging.getLogger(__name__)
 
 
 def draw(results: dict[str, dict], failures: list[dict], path: Path, *, bin_s: float = 1.0
          ) -> None:
-    """Job steps/s (from the first commit of each step) and epoch members, failures marked."""
+    """Job steps/s (from the first commit of each step) and epoch members, failures marked.
+    Skipped, with a note, where matplotlib (the ``sim`` extra) is not installed."""
     job = job_timeline({rid: r["commits"] for rid, r in results.items()})
     if not job:
         return
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("%s not drawn: matplotlib is not installed (pip install 'ftsystem[sim]')",
+                    path)
+        return
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
     start = job[0][1]
     fig, (rate_ax, members_ax) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
     times = [t - start for _, t in job]

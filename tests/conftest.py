@@ -18,6 +18,8 @@ import pytest
 from ftsystem.etcd_server import EmbeddedEtcd, free_port
 
 T = TypeVar("T")
+API_TOKEN = "test-api-token"
+"""The bearer token of the controllers ``controller_process`` starts (closed by default)."""
 _job_ids = itertools.count()
 
 # Tests that expect an unreachable etcd should not wait the default 10 s for it.
@@ -56,13 +58,18 @@ def serving(url: str) -> bool:
 
 @contextlib.contextmanager
 def controller_process(etcd_url: str, job: str, log_dir: Path,
-                       env: dict[str, str] | None = None) -> Iterator[str]:
-    """A real ``ftsystem controller`` for ``job``; yields its base URL once it serves."""
+                       env: dict[str, str] | None = None, *, insecure: bool = False
+                       ) -> Iterator[str]:
+    """A real ``ftsystem controller`` for ``job``; yields its base URL once it serves. Its API
+    token is ``API_TOKEN`` unless ``env`` configures another."""
     port = free_port()
     with open(log_dir / "controller.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
-                                 etcd_url, "--job", job, "--port", str(port)],
-                                env={**os.environ, **(env or {})}, stdout=log,
+                                 etcd_url, "--job", job, "--port", str(port),
+                                 "--bind", "127.0.0.1", "--advertise-address", "127.0.0.1",
+                                 *(["--insecure"] if insecure else [])],
+                                env={**os.environ, "FTSYSTEM_API_TOKEN": API_TOKEN, **(env or {})},
+                                stdout=log,
                                 stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

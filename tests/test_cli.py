@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from typer.testing import CliRunner
 
@@ -41,3 +44,40 @@ def test_unreachable_etcd_is_named(monkeypatch):
                                  "--", "true"])
     assert result.exit_code == 2
     assert "etcd unreachable" in plain(result.output) and url in plain(result.output)
+
+
+def test_controller_without_token_or_insecure_refuses_to_start(monkeypatch):
+    monkeypatch.delenv("FTSYSTEM_API_TOKEN", raising=False)
+    monkeypatch.delenv("FTSYSTEM_API_TOKEN_FILE", raising=False)
+    result = runner.invoke(app, ["controller", "--etcd", "http://127.0.0.1:1", "--job", "j"])
+    assert result.exit_code == 2
+    message = plain(result.output)
+    assert "FTSYSTEM_API_TOKEN" in message and "--insecure" in message
+
+
+def test_etcd_and_job_from_the_environment(monkeypatch):
+    """FTSYSTEM_ETCD and FTSYSTEM_JOB, the names the ranks read, stand for --etcd and --job."""
+    monkeypatch.setenv("FTSYSTEM_ETCD", "http://nohost")
+    monkeypatch.setenv("FTSYSTEM_JOB", "from-env")
+    monkeypatch.setenv("FTSYSTEM_API_TOKEN", "t")
+    result = runner.invoke(app, ["controller"])
+    assert result.exit_code == 2 and "expected host:port" in plain(result.output)
+    monkeypatch.setenv("FTSYSTEM_JOB", "a/b")
+    result = runner.invoke(app, ["controller"])
+    assert result.exit_code == 2 and "invalid job id" in plain(result.output)
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("ftsystem 0.")
+
+
+def test_help_imports_neither_simulators_nor_plots():
+    """The core (no ``sim`` extra) runs ``--help`` and every command's registration."""
+    probe = ("import sys\nfrom ftsystem.cli import main\nsys.argv = ['ftsystem', '--help']\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\n"
+             "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'matplotlib', 'simpy'}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "Usage" in out and "LOADED []" in out, out

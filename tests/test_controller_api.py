@@ -7,10 +7,14 @@ import asyncio
 import httpx
 import pytest
 
-from conftest import controller_process, wait_for
+from conftest import API_TOKEN, controller_process, wait_for
 from ftsystem import keys
 from ftsystem.membership import Registration, ReplicaState
 from ftsystem.store import Store
+
+
+STORE_ADDR, STATE_ADDR = "10.1.2.3:4567", "10.7.6.5:4321"
+"""Internal addresses (rendezvous store, state server) that no public answer may show."""
 
 
 @pytest.fixture
@@ -26,8 +30,13 @@ async def _register(etcd_url: str, job: str, rids: list[str]) -> dict[str, int]:
         for rid in rids:
             leases[rid] = await store.grant(60)
             reg = Registration(replica_id=rid, state=ReplicaState.READY, generation=0,
-                               store_addr="127.0.0.1:1", step=7, metrics_addr=f"127.0.0.1:9{rid}")
+                               store_addr=STORE_ADDR, state_addr=STATE_ADDR, step=7,
+                               metrics_addr=f"127.0.0.1:9{rid}")
             await store.put(keys.replica(job, rid), reg.to_json(), lease=leases[rid])
+        # Replica a's two ranks publish their own endpoints.
+        for rank in (0, 1):
+            await store.put_json(keys.metrics_endpoint(job, "a", rank),
+                                 {"addr": f"127.0.0.1:8{rank}"}, lease=leases["a"])
     return leases
 
 
@@ -55,9 +64,49 @@ def test_job_view_follows_registrations(controller, etcd, job_id):
     assert httpx.get(f"{controller}/healthz").json()["leader"] is True
     groups = httpx.get(f"{controller}/v1/sd/prometheus").json()
     targets = {(g["labels"]["component"], g["labels"]["instance_id"]): g["targets"] for g in groups}
-    assert targets[("replica", "a")] == ["127.0.0.1:9a"] and ("replica", "b") not in targets
+    assert ("replica", "b") not in targets
+    assert targets[("replica", "c")] == ["127.0.0.1:9c"]  # no rank endpoints: its registration
+    ranks = {g["labels"]["rank"]: g["targets"] for g in groups
+             if g["labels"].get("replica") == "a"}
+    assert ranks == {"0": ["127.0.0.1:80"], "1": ["127.0.0.1:81"]}  # every rank, labelled
     assert [c for c, _ in targets].count("controller") == 1
     assert all(g["labels"]["job"] == job_id for g in groups)
+
+
+def test_public_answers_show_no_internal_addresses(controller, etcd, job_id):
+    asyncio.run(_register(etcd.url, job_id, ["a", "b"]))
+    wait_for(lambda: httpx.get(f"{controller}/v1/jobs/{job_id}").json()["epoch"]["number"] >= 1,
+             30, "the first epoch")
+    for path in ("/", f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/replicas/a",
+                 f"/v1/jobs/{job_id}/chaos", f"/v1/jobs/{job_id}/events"):
+        body = httpx.get(f"{controller}{path}").text
+        assert STORE_ADDR not in body and STATE_ADDR not in body, path
+
+
+def test_every_mutating_route_needs_the_token(controller, job_id):
+    """Whatever the route, a request that is not a read gets 401 without the right token."""
+    paths = httpx.get(f"{controller}/openapi.json").json()["paths"]
+    mutations = [(method.upper(), path.replace("{job}", job_id))
+                 for path, operations in paths.items() for method in operations
+                 if method.upper() not in ("GET", "HEAD", "OPTIONS")]
+    assert ("POST", f"/v1/jobs/{job_id}/chaos") in mutations
+    for method, path in mutations:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_TOKEN}):
+            response = httpx.request(method, f"{controller}{path}", json={}, headers=headers)
+            assert response.status_code == 401, (method, path, headers, response.text)
+            assert response.headers["www-authenticate"] == "Bearer"
+        granted = httpx.request(method, f"{controller}{path}", json={},
+                                headers={"Authorization": f"Bearer {API_TOKEN}"})
+        assert granted.status_code not in (401, 403), (method, path)
+    assert httpx.get(f"{controller}/v1/jobs/{job_id}/chaos").status_code == 200  # reads: open
+
+
+def test_insecure_controller_takes_mutations_without_a_token(etcd, job_id, tmp_path):
+    env = {"FTSYSTEM_API_TOKEN": ""}
+    with controller_process(etcd.url, job_id, tmp_path, env, insecure=True) as base:
+        response = httpx.post(f"{base}/v1/jobs/{job_id}/chaos", json={"action": "melt"})
+        assert response.status_code == 400 and "invalid chaos spec" in response.text
+    assert b"--insecure: mutating endpoints are open" in (tmp_path / "controller.log").read_bytes()
 
 
 def test_bad_requests_get_clear_errors(controller, job_id):

@@ -24,6 +24,7 @@ import enum
 import heapq
 import os
 import random
+import secrets
 import struct
 import subprocess
 import sys
@@ -112,9 +113,11 @@ async def _controller_subprocess(url: str, job: str, log_path: Path
     from ftsystem.etcd_server import free_port
     port = free_port()
     cmd = [sys.executable, "-c", "from ftsystem.cli import main; main()", "controller",
-           "--etcd", url, "--job", job, "--port", str(port)]
+           "--etcd", url, "--job", job, "--port", str(port), "--bind", "127.0.0.1"]
+    # The bench only reads the API; a random token keeps the controller closed, as by default.
+    env = os.environ | {"FTSYSTEM_API_TOKEN": secrets.token_hex(16)}
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
     def check() -> None:
         if proc.poll() is not None:

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-import simpy
+
+if TYPE_CHECKING:  # imported where a simulation runs: the `sim` extra, not the core
+    import simpy
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -201,6 +203,7 @@ def _sync_job(env: simpy.Environment, recovery: SyncRecovery, failures: simpy.St
 
 def simulate_sync(recovery: SyncRecovery, failures: Failures, horizon_s: float) -> Outcome:
     """ETTR of synchronous training with restart-all under ``failures`` over ``horizon_s``."""
+    import simpy
     env = simpy.Environment()
     queue = simpy.Store(env)
     state = _SyncState()
@@ -267,6 +270,7 @@ def simulate_replicas(recovery: ReplicaRecovery, replicas: int, failures: Failur
     """ETTR of replica-level fault tolerance with ``replicas`` replicas under ``failures``.
     A failure that hits a replica already recovering costs nothing more: that replica's hosts are
     being replaced anyway."""
+    import simpy
     env = simpy.Environment()
     meter = _Meter(replicas)
     control = simpy.Resource(env, capacity=1)
