@@ -235,5 +235,9 @@ async def _refresh_gauges(store: Store, job: str) -> None:
         counts[replica["state"]] = counts.get(replica["state"], 0) + 1
     for state, count in counts.items():
         metrics.REPLICAS.labels(job, state).set(count)
+    metrics.REPLICA_STEP.clear()  # a replica gone from the job leaves no series behind
+    for replica in view["replicas"]:
+        if replica["step"] is not None:
+            metrics.REPLICA_STEP.labels(job, replica["id"]).set(replica["step"])
     metrics.EPOCH.labels(job).set(view["epoch"]["number"])
     metrics.EPOCH_MEMBERS.labels(job).set(len(view["epoch"]["members"]))

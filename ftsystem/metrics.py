@@ -33,6 +33,8 @@ DECISION_LATENCY = Histogram("ftsystem_membership_decision_seconds",
                              ["job"], buckets=_LATENCY_BUCKETS)
 ETTR = Gauge("ftsystem_ettr", "Effective training time ratio since this controller leads, "
              "time-based (kind=time) or work-based (kind=work)", ["job", "kind"])
+REPLICA_STEP = Gauge("ftsystem_replica_step", "The last step each replica reported to etcd "
+                     "(progress is rate-limited: a few seconds behind)", ["job", "replica"])
 IS_LEADER = Gauge("ftsystem_controller_is_leader", "1 on the leading controller", ["job"])
 
 # --- agent ---
