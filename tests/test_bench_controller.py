@@ -38,8 +38,10 @@ def test_malformed_etcd_url_says_what_to_pass() -> None:
 @pytest.mark.parametrize("controller", ["subprocess", "in-process"])
 def test_bench_controller_writes_its_json(tmp_path, controller: str) -> None:
     out = tmp_path / "controller.json"
+    rounds = 2 if controller == "in-process" else 1  # the cheaper one also checks --rounds
     result = CliRunner().invoke(app, ["bench", "controller", "--replicas", "32", "--revokes", "5",
-                                      "--controller", controller, "--json", str(out)])
+                                      "--controller", controller, "--rounds", str(rounds),
+                                      "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {"replicas", "revokes", "decision_latency_s", "target_p99_s", "registration_s",
@@ -52,6 +54,10 @@ def test_bench_controller_writes_its_json(tmp_path, controller: str) -> None:
         assert data[measure]["p50"] <= data[measure]["p99"] <= data[measure]["max"]
     assert math.isfinite(data["registration_s"]) and data["registration_s"] > 0
     assert "removal: revoke -> epoch seen" in result.output
+    assert data["rounds"] == rounds and len(data["later_rounds"]) == rounds - 1
+    p99 = data["over_rounds"]["decision_p99_s"]
+    assert p99["min"] <= data["decision_latency_s"]["p99"] <= p99["max"]
+    assert p99["min"] <= p99["median"] <= p99["max"]
 
 
 # --- nodes mode ----------------------------------------------------------------------------------

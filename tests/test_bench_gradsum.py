@@ -24,11 +24,14 @@ def test_cycles_by_size_fewer_above_30m() -> None:
 def test_summary_takes_medians_and_pairs_ratios_within_a_cycle() -> None:
     summary = summarize({"ddp": [0.6, 0.4, 9.0], "flat": [0.2, 0.3, 0.1], "local": [0.5, 0.8]})
     # The median ignores DDP's disturbed cycle (9.0 s); the mean does not.
-    assert summary["ddp"] == {"median_s": 0.6, "mean_s": pytest.approx(10 / 3),
-                              "speed_vs_ddp": 1.0}
+    assert summary["ddp"] == {"median_s": 0.6, "min_s": 0.4, "max_s": 9.0,
+                              "mean_s": pytest.approx(10 / 3), "speed_vs_ddp": 1.0,
+                              "speed_vs_ddp_min": 1.0, "speed_vs_ddp_max": 1.0}
     assert summary["flat"]["median_s"] == 0.2
     # Per cycle 3.0, 1.33, 90: the median is 3x faster than DDP.
     assert summary["flat"]["speed_vs_ddp"] == pytest.approx(3.0)
+    assert summary["flat"]["speed_vs_ddp_min"] == pytest.approx(0.4 / 0.3)
+    assert summary["flat"]["speed_vs_ddp_max"] == pytest.approx(90.0)
     assert summary["local"]["median_s"] == pytest.approx(0.65)  # even count: middle two
     assert summary["local"]["speed_vs_ddp"] == pytest.approx((1.2 + 0.5) / 2)  # 0.6/0.5, 0.4/0.8
 
@@ -43,7 +46,8 @@ def test_paired_ratios_resist_load_that_hit_one_mode_more_often() -> None:
 
 def test_summary_without_ddp_has_no_ratio_and_skips_empty_modes() -> None:
     assert summarize({"flat": [0.2], "overlap": []}) == {
-        "flat": {"median_s": 0.2, "mean_s": 0.2, "speed_vs_ddp": None}}
+        "flat": {"median_s": 0.2, "min_s": 0.2, "max_s": 0.2, "mean_s": 0.2,
+                 "speed_vs_ddp": None, "speed_vs_ddp_min": None, "speed_vs_ddp_max": None}}
 
 
 def test_a_malformed_size_is_a_usage_error() -> None:
@@ -66,7 +70,7 @@ def test_quick_run_times_every_mode(tmp_path) -> None:
     assert set(model["modes"]) == set(MODES) == set(model["samples"])
     for mode, figures in model["modes"].items():
         assert len(model["samples"][mode]) == QUICK_CYCLES
-        for key in ("median_s", "mean_s", "speed_vs_ddp"):
+        for key in ("median_s", "min_s", "max_s", "mean_s", "speed_vs_ddp"):
             assert math.isfinite(figures[key]) and figures[key] > 0, (mode, figures)
     assert model["modes"]["ddp"]["speed_vs_ddp"] == 1.0
     assert "gradsum: step time" in result.output

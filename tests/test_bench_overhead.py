@@ -71,6 +71,9 @@ def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
         assert set(model[key]) == set(SYSTEMS)
         assert all(math.isfinite(v) and v > 0 for v in model[key].values()), model[key]
     assert model["ratio_vs_ddp"]["ddp"] == 1.0
+    for key in ("steps_per_s_spread", "ratio_vs_ddp_spread"):  # one round: min = median = max
+        spread = model[key]["ftsystem"]
+        assert spread["min"] == spread["median"] == spread["max"] > 0, model[key]
     assert "overhead: steady-state throughput" in result.output
 
 

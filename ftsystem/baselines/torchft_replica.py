@@ -4,8 +4,10 @@ Run as ``python -m ftsystem.baselines.torchft_replica --replica 1 --steps 60 --o
 with ``TORCHFT_LIGHTHOUSE`` set to the lighthouse's address, as torchft expects.
 
 The loop is torchft's documented one: ``start_quorum()`` per step, gradients averaged with
-``Manager.allreduce`` (one call per parameter gradient), ``should_commit()`` gates
-``optimizer.step()``. A restarted replica heals from a healthy peer through the Manager's
+``Manager.allreduce``, ``should_commit()`` gates ``optimizer.step()``. The gradients go as one
+flat buffer in one all-reduce, as ftsystem sends them, and the model, batch size, learning rate,
+optimizer and data are those of ftsystem's example program in its plain loop
+(``ftsystem.train --loop plain``), so that the two differ only in the fault tolerance. A restarted replica heals from a healthy peer through the Manager's
 ``state_dict``/``load_state_dict`` callbacks (HTTP checkpoint transport, torchft's default).
 
 torchft's ``DistributedDataParallel`` wrapper is not used: in 0.2.0 its comm hook asserts on
@@ -33,6 +35,7 @@ import typer
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
+from ftsystem import train as ftsystem_train
 from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 # Manager.allreduce and should_commit give up after this. A SIGKILLed peer is noticed at once
@@ -52,9 +55,11 @@ HEARTBEAT_INTERVAL = timedelta(milliseconds=100)
 TORCHFT_TIMEOUT_ENVS = ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC",
                         "TORCHFT_CONNECT_TIMEOUT_SEC", "TORCHFT_QUORUM_RETRIES")
 
-BATCH_SIZE = 8
-LEARNING_RATE = 1e-3
-SEED = 0
+# ftsystem's example program's defaults, read from it so that they cannot drift apart.
+_FTSYSTEM_DEFAULTS = ftsystem_train.parse_args([])
+BATCH_SIZE = _FTSYSTEM_DEFAULTS.batch_size
+LEARNING_RATE = _FTSYSTEM_DEFAULTS.lr
+SEED = _FTSYSTEM_DEFAULTS.seed
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,8 @@ def manager_settings() -> dict[str, object]:
         "min_replica_size": 1,
         "use_async_quorum": True,
         "process_group": "ProcessGroupGloo",
-        "gradient_averaging": "Manager.allreduce per parameter gradient",
+        "gradient_averaging": "Manager.allreduce of one flat buffer of every gradient",
+        "batch_size": BATCH_SIZE, "learning_rate": LEARNING_RATE,
         "checkpoint_transport": "HTTPTransport (default)",
     }
 
@@ -156,16 +162,25 @@ def train_step(manager: Manager, trainer: Trainer) -> bool:
     """One torchft step; returns whether the replicas committed it."""
     manager.start_quorum()
     loss = trainer.backward(manager.current_step())
-    # Issue every all-reduce before waiting so they overlap; a failed one is recorded by the
-    # manager (not raised) and turns the commit vote into False.
-    works = [manager.allreduce(p.grad) for p in trainer.model.parameters() if p.grad is not None]
-    for work in works:
-        work.wait()
+    average_gradients(manager, trainer.model)
     if not manager.should_commit():
         return False
     trainer.optimizer.step()
     trainer.last_loss = loss
     return True
+
+
+def average_gradients(manager: Manager, model: torch.nn.Module) -> None:
+    """Every gradient averaged over the quorum in one all-reduce of one flat buffer (as
+    ftsystem does), not one call per parameter. A failed all-reduce is recorded by the manager
+    (not raised) and turns the commit vote into False."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def train(trainer: Trainer, manager: Manager, *, steps: int, progress: Path,

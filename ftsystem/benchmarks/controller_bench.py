@@ -1546,6 +1546,25 @@ def _print_nodes(result: dict) -> None:
 
 # --- the command -------------------------------------------------------------------------------
 
+ROUND_FIGURES = {"decision_p50_s": "decision_latency_s.p50",
+                 "decision_p99_s": "decision_latency_s.p99",
+                 "join_p99_s": "join_latency_s.p99"}
+NODES_ROUND_FIGURES = {
+    "node_lease_end_p99_s": "decision_latency_s.node_lease_end.p99",
+    "reported_failure_p99_s": "decision_latency_s.reported_failure.p99",
+    "keepalives_per_s": "etcd.keepalives_per_s", "writes_per_s": "etcd.writes_per_s"}
+"""The headline figures reported over the rounds (dotted paths into one round's result)."""
+
+
+def with_rounds(runs: list[dict], figures: dict[str, str]) -> dict:
+    """The first round's result, in the shape one round gives, with each of ``figures``' median
+    and min/max over every round (``over_rounds``) and the later rounds in full. One system
+    runs here, so there is no order to alternate."""
+    from ftsystem import report
+    return runs[0] | {"rounds": len(runs), "over_rounds": report.per_round(runs, figures),
+                      "later_rounds": runs[1:]}
+
+
 @bench_app.command("controller")
 def controller_bench(
         replicas: Optional[int] = typer.Option(
@@ -1576,6 +1595,9 @@ def controller_bench(
         logs: Optional[Path] = typer.Option(
             None, help="with --nodes: keep etcd's data and the logs of the controller and the "
                        "load generators in this directory"),
+        rounds: int = typer.Option(1, min=1, help="run the measurement this many times; the "
+                                                  "JSON gives each headline figure's median "
+                                                  "and min/max over the rounds"),
         keepalive: KeepAliveMode = typer.Option(
             KeepAliveMode.BATCHED, help="with --nodes: keep-alives over one stream per process "
                                         "(batched, as Store.keep_alive keeps its stream "
@@ -1603,9 +1625,11 @@ def controller_bench(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--nodes") from e
         try:
-            result = run_nodes(ncfg)
+            runs = [run_nodes(ncfg) for _ in range(rounds)]
         except (StoreError, RuntimeError) as e:
             raise _fail(str(e))
+        result = with_rounds(runs, NODES_ROUND_FIGURES)
+        result["error"] = next((r["error"] for r in runs if r["error"]), None)
         result["machine"] = machine()
         _print_nodes(result)
         write_json(json_out, result)
@@ -1617,7 +1641,7 @@ def controller_bench(
         num_revokes=revokes or (QUICK_REVOKES if quick else FULL_REVOKES),
         etcd=etcd, controller=controller)
     try:
-        result = run(cfg)
+        result = with_rounds([run(cfg) for _ in range(rounds)], ROUND_FIGURES)
     except (StoreError, RuntimeError) as e:  # BenchError, etcd not installed or not starting
         raise _fail(str(e))
     result["machine"] = machine()

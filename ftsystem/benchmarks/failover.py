@@ -1,11 +1,12 @@
 """``ftsystem bench failover``: survivor stall per crash, ftsystem against torchft 0.2.0.
 
 One invocation runs the same scenario on both systems: 4 replicas of the same model, step time
-and data; one replica (the victim) fails at a fixed interval. Stall = the survivors' longest
-inter-commit gap after the failure's instant minus their normal step time (``ftsystem.stall``).
+and data; one replica (the victim) fails at a fixed interval. Stall = from the failure's
+instant to the survivors' next commit, minus their normal step time (``ftsystem.stall``).
 
 ``--scenario process`` (default): the victim's training process is SIGKILLed from outside, on
-loopback, each time after it has rejoined; its agent lives on and reports the exit.
+loopback, each time after it has rejoined; its agent lives on and reports the exit. torchft
+runs at its default lighthouse timing and at a 1 s heartbeat timeout.
 
 ``--scenario host``: a whole host dies with everything on it. ftsystem runs with every node in
 its own network namespace (``run_job(netns=True)``, the default ``--timeout``) and the fault is
@@ -14,7 +15,10 @@ at once; the host "reboots" (its agent starts again) ``--down`` seconds later. W
 ``--nodes-per-replica 2`` the host is one node (chosen at random) of the victim's 2-node replica.
 torchft has no agent: the equivalent is a SIGKILL of the victim replica's whole process tree at
 once, restarted ``--down`` seconds later; it runs at torchft's default lighthouse timing and at a
-1 s heartbeat timeout. Several rounds, the order of the systems alternated per round.
+1 s heartbeat timeout.
+
+Both scenarios run ``--rounds`` rounds, the order of the systems alternated per round
+(``report.in_rounds``); the JSON gives every counted failure's stall and each round's median.
 """
 
 from __future__ import annotations
@@ -128,16 +132,28 @@ def _kill_repeatedly(etcd: str, job: str, victim: str, num_failures: int,
 
 
 def run_torchft(*, num_replicas: int, num_failures: int, steps: int, kill_interval_s: float,
-                sleep_per_step: float, model_params: int, workdir: Path) -> dict:
+                sleep_per_step: float, model_params: int, workdir: Path,
+                setting: str = "torchft_1s") -> dict:
+    """The scenario on torchft; ``setting`` as in ``TORCHFT_SETTINGS``."""
     from ftsystem.baselines.torchft_scenario import run_torchft_failover
     out = run_torchft_failover(num_replicas=num_replicas, num_failures=num_failures,
                                steps=steps, model_params=model_params or None,
                                workdir=workdir, kill_interval_s=kill_interval_s, victim=VICTIM,
-                               sleep_per_step=sleep_per_step)
+                               sleep_per_step=sleep_per_step, lighthouse=_lighthouse(setting))
     timelines = {str(r["replica"]): r["commits"] for r in out["results"]}
     victim = next((rid for rid in timelines if rid.endswith(str(VICTIM))), str(VICTIM))
     return _stalls(timelines, out["failures"], victim) | {
+        "bitwise_identical": len({r["state_hash"] for r in out["results"]}) == 1,
         "crashed": out["crashed"], "settings": out["settings"]}
+
+
+def _lighthouse(setting: str):
+    """torchft's lighthouse timing for ``setting``: "torchft" its defaults, "torchft_1s" the
+    1 s heartbeat timeout (``torchft_scenario`` constants)."""
+    from ftsystem.baselines.torchft_scenario import LighthouseSettings
+    if setting not in TORCHFT_SETTINGS:
+        raise ValueError(f"torchft setting must be one of {TORCHFT_SETTINGS}, not {setting!r}")
+    return LighthouseSettings.torchft_defaults() if setting == "torchft" else LighthouseSettings()
 
 
 def _stalls(timelines: dict, kills: list[float], victim: str) -> dict:
@@ -163,7 +179,8 @@ def failover(json_path: Optional[Path] = typer.Option(None, "--json", help="writ
              sleep_per_step: float = typer.Option(0.05, help="emulated compute per step"),
              model_params: int = typer.Option(0, help="model size (0: the small default)"),
              skip_torchft: bool = typer.Option(False, help="run ftsystem only"),
-             rounds: int = typer.Option(2, help="host: rounds (system order alternates)"),
+             rounds: int = typer.Option(2, min=1, help="rounds, the order of the systems "
+                                                       "alternated per round (quick: 1)"),
              down: float = typer.Option(HOST_DOWN_S, help="host: seconds a host stays down"),
              steps: int = typer.Option(0, help="host: steps per run (0: enough for the "
                                                 "failures, see host_steps)"),
@@ -189,22 +206,64 @@ def failover(json_path: Optional[Path] = typer.Option(None, "--json", help="writ
         return
     kill_interval = kill_interval or 8.0
     num_failures = failures or (2 if quick else 5)
-    steps = int((num_failures + 2) * kill_interval / sleep_per_step)
-    scenario = dict(num_replicas=4, num_failures=num_failures, steps=steps,
-                    kill_interval_s=kill_interval, sleep_per_step=sleep_per_step,
-                    model_params=model_params)
-    with tempfile.TemporaryDirectory(prefix="ftsystem-bench-failover-") as tmp:
-        ours = run_ftsystem(**scenario, workdir=Path(tmp) / "ftsystem")
-        theirs = None if skip_torchft else run_torchft(**scenario, workdir=Path(tmp) / "torchft")
-    data = {"scenario": scenario, "ftsystem": ours, "torchft": theirs,
-            "median_stall_ratio_torchft_over_ftsystem": _ratio(theirs, ours),
-            "target": "ftsystem median stall <= 0.5 s", "machine": report.machine()}
-    rows = [(name, r["failures"], r["stall_s"]["median"], r["stall_s"]["max"],
-             r["step_s"]["median"]) for name, r in (("ftsystem", ours), ("torchft", theirs)) if r]
-    report.print_table("failover: survivor stall per crash",
-                       ["system", "failures", "median stall (s)", "max stall (s)",
-                        "normal step (s)"], rows)
+    data = run_process_bench(num_failures=num_failures, kill_interval_s=kill_interval,
+                             sleep_per_step=sleep_per_step, model_params=model_params,
+                             rounds=1 if quick else rounds, skip_torchft=skip_torchft)
+    print_process_table(data)
     report.write_json(json_path, data)
+
+
+def run_process_bench(*, num_failures: int, kill_interval_s: float, sleep_per_step: float,
+                      model_params: int, rounds: int, skip_torchft: bool) -> dict:
+    """The process scenario: ftsystem and torchft (at its defaults and at 1 s), ``rounds``
+    times, the order alternated per round."""
+    steps = int((num_failures + 2) * kill_interval_s / sleep_per_step)
+    scenario = dict(num_replicas=4, num_failures=num_failures, steps=steps,
+                    kill_interval_s=kill_interval_s, sleep_per_step=sleep_per_step,
+                    model_params=model_params)
+    systems = ["ftsystem", *([] if skip_torchft else TORCHFT_SETTINGS)]
+
+    def run(name: str, r: int, root: Path) -> dict:
+        print(f"failover: round {r + 1}/{rounds}: {name}", flush=True)
+        where = root / f"round{r}" / name
+        try:
+            out = (run_ftsystem(**scenario, workdir=where) if name == "ftsystem"
+                   else run_torchft(**scenario, workdir=where, setting=name))
+        except Exception as e:  # the other runs still count; this one is reported
+            print(f"failover: {name} failed: {e!r}", flush=True)
+            out = {"error": f"{type(e).__name__}: {e}", "bitwise_identical": False}
+        return out | {"round": r}
+
+    with tempfile.TemporaryDirectory(prefix="ftsystem-bench-failover-") as tmp:
+        runs = report.in_rounds(systems, rounds, lambda name, r: run(name, r, Path(tmp)))
+    ours = _aggregate(runs["ftsystem"])
+    data = {"scenario": scenario | {"rounds": rounds, "victim": replica_id(VICTIM)},
+            "ftsystem": ours}
+    for name in TORCHFT_SETTINGS:
+        theirs = _aggregate(runs[name]) if name in runs else None
+        data[name] = theirs
+        data[f"median_stall_ratio_{name}_over_ftsystem"] = (
+            _ratio_spread(runs[name], runs["ftsystem"], theirs, ours) if theirs else None)
+    if not skip_torchft:
+        from ftsystem.baselines.torchft_scenario import lighthouse_defaults, manager_defaults
+        data["torchft_defaults"] = {"lighthouse": lighthouse_defaults(),
+                                    "manager": manager_defaults()}
+    return data | {"target": "ftsystem median stall <= 0.5 s", "machine": report.machine()}
+
+
+def print_process_table(data: dict) -> None:
+    rows = []
+    for key, label in (("ftsystem", "ftsystem"), ("torchft", "torchft default"),
+                       ("torchft_1s", "torchft 1s")):
+        if (r := data.get(key)) is None:
+            continue
+        rounds = ", ".join("-" if m is None else f"{m:.3g}" for m in r["per_round_median_stall_s"])
+        rows.append((label, r["failures"], r["stall_s"]["median"], r["stall_s"]["min"],
+                     r["stall_s"]["max"], rounds, r["step_s"]["median"], r["bitwise_identical"]))
+    report.print_table(f"failover: survivor stall per crash, {data['scenario']['rounds']} "
+                       "round(s)", ["system", "failures", "median stall (s)", "min (s)",
+                                    "max (s)", "round medians (s)", "normal step (s)",
+                                    "bitwise identical"], rows)
 
 
 # --- the host scenario -----------------------------------------------------------------------
@@ -288,9 +347,8 @@ def run_torchft_host(*, num_replicas: int, num_failures: int, steps: int, interv
     """The host scenario on torchft: the victim's process tree SIGKILLed at once, restarted
     ``down_s`` later; ``setting`` "torchft" is torchft's default lighthouse timing, "torchft_1s"
     the 1 s heartbeat timeout of the process scenario."""
-    from ftsystem.baselines.torchft_scenario import LighthouseSettings, run_torchft_failover
-    lighthouse = LighthouseSettings.torchft_defaults() if setting == "torchft" \
-        else LighthouseSettings()
+    from ftsystem.baselines.torchft_scenario import run_torchft_failover
+    lighthouse = _lighthouse(setting)
     started = time.time()
     out = run_torchft_failover(num_replicas=num_replicas, num_failures=num_failures,
                                steps=steps, model_params=model_params or None, workdir=workdir,

@@ -15,7 +15,9 @@ Why one pair of processes with the modes interleaved, rather than one job per mo
 shared VM, whole-job step times move by ~10% from one run to the next (other tenants, CPU
 frequency, where the allocator's pages landed), more than the differences measured here. Every
 few steps the pair moves on to the next mode, so a slow patch of the machine hits every mode
-alike, and the median over the cycles leaves the odd disturbed cycle out.
+alike, and the median over the cycles leaves the odd disturbed cycle out. A cycle is this
+bench's round (``--rounds``, also ``--cycles``): the JSON gives each mode's median and min/max
+over them.
 """
 
 from __future__ import annotations
@@ -55,17 +57,24 @@ def default_cycles(params: int) -> int:
 
 
 def summarize(samples: Mapping[str, Sequence[float]]) -> dict[str, dict]:
-    """Per mode, from its step times (s, one per cycle): median, mean and ``speed_vs_ddp``.
+    """Per mode, from its step times (s, one per cycle): median, min, max, mean and
+    ``speed_vs_ddp`` (with its min and max over the cycles).
 
     ``speed_vs_ddp`` is the median over the cycles of DDP's time over the mode's in the same
     cycle (>1: faster than DDP; None without a DDP figure). Pairing within a cycle cancels the
     machine's drift, which a ratio of the two medians would keep.
     """
     ddp = samples.get("ddp") or []
-    return {mode: {"median_s": statistics.median(times), "mean_s": statistics.mean(times),
-                   "speed_vs_ddp": statistics.median(base / own for base, own in zip(ddp, times))
-                   if ddp else None}
-            for mode, times in samples.items() if times}
+    out = {}
+    for mode, times in samples.items():
+        if not times:
+            continue
+        speed = report.spread([base / own for base, own in zip(ddp, times)])
+        out[mode] = {"median_s": statistics.median(times), "min_s": min(times),
+                     "max_s": max(times), "mean_s": statistics.mean(times),
+                     "speed_vs_ddp": speed["median"],
+                     "speed_vs_ddp_min": speed["min"], "speed_vs_ddp_max": speed["max"]}
+    return out
 
 
 # --- one rank ---------------------------------------------------------------------------------
@@ -234,7 +243,9 @@ def gradsum(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     sizes: Annotated[str, typer.Option(help="approximate model sizes")] = DEFAULT_SIZES,
     cycles: Annotated[int, typer.Option(
-        min=0, help="times each mode is measured (0: by size, 12 up to 30M, else 4)")] = 0,
+        "--rounds", "--cycles", min=0,
+        help="rounds: times each mode is measured, the order alternated (0: by size, 12 up "
+             "to 30M, else 4)")] = 0,
     steps_per_cycle: Annotated[int, typer.Option(
         min=1, help="timed steps of a mode in a row")] = DEFAULT_STEPS_PER_CYCLE,
     bucket_bytes: Annotated[int, typer.Option(
@@ -258,11 +269,11 @@ def gradsum(
             result = run_pair(params=params, cycles=n, steps_per_cycle=steps_per_cycle,
                               bucket_bytes=bucket_bytes, workdir=Path(tmp) / str(params))
             models.append({"params": params, "cycles": n, **result})
-    rows = [(m["num_params"], mode, m["modes"][mode]["median_s"], m["modes"][mode]["mean_s"],
-             m["modes"][mode]["speed_vs_ddp"], m["buckets"] if mode == "overlap" else "")
-            for m in models for mode in MODES]
+    rows = [(m["num_params"], mode, f["median_s"], f"[{f['min_s']:.3g}, {f['max_s']:.3g}]",
+             f["speed_vs_ddp"], m["buckets"] if mode == "overlap" else "")
+            for m in models for mode in MODES if (f := m["modes"][mode])]
     report.print_table(f"gradsum: step time, {WORLD_SIZE} ranks, modes interleaved",
-                       ["params", "mode", "median step (s)", "mean step (s)",
+                       ["params", "mode", "median step (s)", "[min, max] (s)",
                         "speed vs DDP", "buckets"], rows)
     report.write_json(json_path, {
         "models": models, "world_size": WORLD_SIZE,

@@ -259,31 +259,32 @@ RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
 
 def measure(params: int, *, steps: int, replicas: int, systems: Sequence[str], rounds: int,
             workdir: Path) -> dict:
-    """One model size on every system, ``rounds`` times in turn: steps/s (median over the
-    rounds), ratio to DDP, median step time. The order reverses every round (A B C, C B A):
-    a drift in the machine's load then favours no system."""
+    """One model size on every system, ``rounds`` times in turn: steps/s (median and min/max
+    over the rounds), ratio to DDP (of the medians, and per round, paired within it), median
+    step time. The order reverses every round (``report.in_rounds``): a drift in the
+    machine's load then favours no system."""
     from ftsystem import stall
 
     warmup = warmup_steps(steps)
-    per_round: dict[str, list] = {name: [] for name in systems}
-    step_s: dict[str, list] = {name: [] for name in systems}
-    for round_ in range(rounds):
-        for name in systems if round_ % 2 == 0 else systems[::-1]:
-            timelines = RUNNERS[name](params=params, steps=steps, replicas=replicas,
-                                      workdir=workdir / f"{name}-{params}-{round_}")
-            per_round[name].append(job_rate(timelines, warmup))
-            step_s[name].append(statistics.median(stall.normal_step_time(tl)
-                                                  for tl in timelines))
-    rates = {name: _median(values) for name, values in per_round.items()}
+
+    def run(name: str, round_: int) -> dict:
+        timelines = RUNNERS[name](params=params, steps=steps, replicas=replicas,
+                                  workdir=workdir / f"{name}-{params}-{round_}")
+        return {"steps_per_s": job_rate(timelines, warmup),
+                "step_s": statistics.median(stall.normal_step_time(tl) for tl in timelines)}
+
+    runs = report.in_rounds(systems, rounds, run)
+    per_round = {name: [r["steps_per_s"] for r in rs] for name, rs in runs.items()}
+    spreads = {name: report.spread(values) for name, values in per_round.items()}
+    rates = {name: spread["median"] for name, spread in spreads.items()}
+    paired = [ratios({name: per_round[name][r] for name in systems}) for r in range(rounds)]
     return {"params": params, "steps": steps, "warmup_steps": warmup, "steps_per_s": rates,
-            "ratio_vs_ddp": ratios(rates),
-            "median_step_s": {name: _median(v) for name, v in step_s.items()},
+            "steps_per_s_spread": spreads, "ratio_vs_ddp": ratios(rates),
+            "ratio_vs_ddp_spread": {name: report.spread([p[name] for p in paired])
+                                    for name in systems},
+            "median_step_s": {name: report.spread([r["step_s"] for r in rs])["median"]
+                              for name, rs in runs.items()},
             "steps_per_s_by_round": per_round}
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 @bench_app.command("overhead")
@@ -316,10 +317,13 @@ def overhead(
                           replicas=replicas, systems=systems, rounds=rounds,
                           workdir=Path(tmp))
                   for p in params_list]
-    rows = [(m["params"], name, m["steps_per_s"][name], m["ratio_vs_ddp"][name],
+    rows = [(m["params"], name, m["steps_per_s"][name], _range(m["steps_per_s_spread"][name]),
+             m["ratio_vs_ddp"][name], _range(m["ratio_vs_ddp_spread"][name]),
              m["median_step_s"][name]) for m in models for name in systems]
-    report.print_table(f"overhead: steady-state throughput, {replicas} replicas, no failures",
-                       ["params", "system", "steps/s", "vs DDP", "median step (s)"], rows)
+    report.print_table(f"overhead: steady-state throughput, {replicas} replicas, no failures, "
+                       f"{rounds} round(s)", ["params", "system", "steps/s (median)",
+                                              "steps/s [min, max]", "vs DDP", "vs DDP [min, max]",
+                                              "median step (s)"], rows)
     report.write_json(json_path, {
         "models": models, "replicas": replicas, "rounds": rounds,
         # Other work on a shared machine moves these figures more than the target's 3%.
@@ -339,3 +343,7 @@ def _ddp_main(rank: Annotated[int, typer.Option()],
 
 if __name__ == "__main__":  # one DDP rank, started by run_ddp
     typer.run(_ddp_main)
+
+
+def _range(spread: dict) -> str:
+    return "-" if spread["min"] is None else f"[{spread['min']:.3g}, {spread['max']:.3g}]"

@@ -1,0 +1,65 @@
+"""``ftsystem bench ettr`` end to end, shortened (the wiring and the JSON's shape, not the
+figures): both systems under the same kill and hang, two rounds in alternating order; and its
+pure pieces."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from ftsystem.benchmarks.ettr_bench import SYSTEMS, aggregate, stall_summary
+from ftsystem.cli import app
+
+
+def test_stall_summary_counts_the_faults_in_the_window_per_action() -> None:
+    faults = [{"time": 1.0, "action": "kill", "replica": "r0", "stall_s": 9.0},  # before
+              {"time": 12.0, "action": "kill", "replica": "r1", "stall_s": 1.0},
+              {"time": 15.0, "action": "hang", "replica": "r2", "stall_s": 4.0},
+              {"time": 16.0, "action": "hang", "replica": "r3", "stall_s": None},  # no survivor
+              {"time": 18.0, "action": "hang", "replica": "r0", "stall_s": 2.0}]
+    summary = stall_summary(faults, start=10.0, end=20.0)
+    assert summary["stall_s"]["median"] == 2.0 and summary["stall_total_s"] == 7.0
+    assert summary["stall_by_action"] == {
+        "hang": {"n": 2, "median": 3.0, "min": 2.0, "max": 4.0, "total_s": 6.0},
+        "kill": {"n": 1, "median": 1.0, "min": 1.0, "max": 1.0, "total_s": 1.0}}
+    assert [f["time"] for f in summary["faults"]] == [12.0, 15.0, 18.0]
+
+
+def test_aggregate_spreads_each_figure_over_the_rounds() -> None:
+    runs = [{"ettr_time": t, "ettr_work": t, "stall_s": {"median": s}, "stall_total_s": s,
+             "failures": 1, "step_s": 0.1,
+             "faults": [{"time": 1.0, "action": "kill", "replica": "r1", "stall_s": s}]}
+            for t, s in ((0.9, 2.0), (0.8, 4.0), (0.95, 1.0))]
+    out = aggregate(runs)
+    assert out["ettr_time"] == {"median": 0.9, "min": 0.8, "max": 0.95}
+    assert out["median_stall_s"] == {"median": 2.0, "min": 1.0, "max": 4.0}
+    assert out["stall_by_action"]["kill"]["n"] == 3 and out["rounds"] == runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
+    out = tmp_path / "ettr.json"
+    result = CliRunner().invoke(app, [
+        "bench", "ettr", "--duration", "15", "--mtbf", "5s", "--actions", "kill,hang",
+        "--fault-duration", "2s", "--timeout", "6", "--replicas", "2", "--rounds", "2",
+        "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["rounds"] == 2 and data["settings"]["timeout_s"] == 6.0
+    assert {"ratio", "target", "machine", "schedule", "warnings"} <= set(data)
+    for name in SYSTEMS:
+        system = data[name]
+        assert [r["round"] for r in system["rounds"]] == [0, 1]
+        for figure in ("ettr_time", "ettr_work"):
+            spread = system[figure]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"] <= 1, (name, spread)
+        for run in system["rounds"]:  # every stall from a fault's instant, none negative
+            assert all(f["stall_s"] >= 0 and math.isfinite(f["time"]) for f in run["faults"])
+    # The baseline's only detector gets ftsystem's detection budget: a third of the timeout.
+    assert data["restart_all"]["rounds"][0]["collective_timeout_s"] == 2.0
+    assert set(data["ratio"]["ettr_time"]) >= {"median", "min", "max", "per_round"}
+    assert "ETTR over 15 s" in result.output
