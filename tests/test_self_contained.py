@@ -87,6 +87,6 @@ def test_sim_ettr_reads_the_copys_benchmarks(alone: Path, tmp_path: Path) -> Non
                 "--json", str(tmp_path / "ettr.json"), "--png", str(tmp_path / "ettr.png"),
                 timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    # bench/results of the copy were found: no cost had to be assumed.
-    assumed = json.loads((tmp_path / "ettr.json").read_text())["assumptions"]["ftsystem"]["assumed"]
-    assert assumed == [], done.stdout
+    # bench/results of the copy were found: no input fell back to an assumption.
+    missing = json.loads((tmp_path / "ettr.json").read_text())["assumptions"]["ftsystem"]["missing"]
+    assert missing == [], done.stdout

@@ -7,7 +7,8 @@ differences are not noise):
 - ``sync``: synchronous training, restart-all from the last checkpoint;
 - ``fthsdp``: FT-HSDP as published (arXiv 2602.00277): the whole job stalls briefly, one replica is
   out while it recovers, the others keep training at reduced capacity;
-- ``ftsystem``: the same structure with the costs ftsystem's own benchmarks measured.
+- ``ftsystem``: the same structure with ftsystem's costs at the job's scale, built from inputs
+  measured here, published or assumed (``ftsystem.sim.scale_inputs``).
 
 ETTR is reported two ways (docs/ettr_simulation.md): time-based, the fraction of wall-clock time in
 which the job commits steps that it keeps; work-based, samples kept / (wall-clock x full-capacity
@@ -21,7 +22,7 @@ ETTR = 1 - failures x stall / time, the arithmetic behind the paper's 44% and 80
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -142,12 +143,6 @@ FTHSDP = ReplicaRecovery(stall_s=FTHSDP_STALL_S, relaunch_s=RELAUNCH_S, catchup_
                          join_stall_s=0.0, replica_gpus=REPLICA_GPUS)
 """FT-HSDP as published: 3-minute stall per failure; catch-up is non-blocking with "minimal stall",
 modelled as part of the relaunch and a free join."""
-
-
-def ftsystem_recovery(*, stall_s: float, catchup_s: float, join_stall_s: float) -> ReplicaRecovery:
-    """ftsystem: its measured (or assumed) stall, catch-up and join costs. Relaunch and replica
-    size are FT-HSDP's, so that only what ftsystem changes differs."""
-    return replace(FTHSDP, stall_s=stall_s, catchup_s=catchup_s, join_stall_s=join_stall_s)
 
 
 def num_replicas(gpus: int, replica_gpus: int) -> int:
@@ -296,24 +291,43 @@ def simulate(recovery: SyncRecovery | ReplicaRecovery, gpus: int, failures: Fail
                              horizon_s)
 
 
-def ettr_at_scale(gpus: int, ftsystem: ReplicaRecovery, *, failure_model: str, failures: int,
-                  seeds: int, seed: int) -> dict:
-    """Mean ETTR of the three recovery models at one scale, over ``seeds`` runs of about
-    ``failures`` failures each (the horizon is ``failures`` MTTFs of virtual time).
-    Returns {"gpus", "mttf_min", "sync", "fthsdp", "ftsystem" (work-based), "time_based",
-    "sd" (work-based, across seeds)}."""
+def _traces(gpus: int, *, failure_model: str, failures: int, seeds: int,
+            seed: int) -> Iterator[tuple[Failures, float]]:
+    """The failure traces of one scale, ``seeds`` of them, each over ``failures`` MTTFs of
+    virtual time: (trace, horizon). The same arguments give the same traces."""
     mttf_s = FAILURE_MODELS[failure_model](gpus)
-    models = {"sync": sync_recovery(mttf_s), "fthsdp": FTHSDP, "ftsystem": ftsystem}
     horizon_s = failures * mttf_s
-    runs: dict[str, list[Outcome]] = {name: [] for name in models}
     for k in range(seeds):
-        trace = poisson_failures(mttf_s, horizon_s, np.random.default_rng((seed, gpus, k)))
-        for name, model in models.items():
-            runs[name].append(simulate(model, gpus, trace, horizon_s))
+        yield poisson_failures(mttf_s, horizon_s, np.random.default_rng((seed, gpus, k))), horizon_s
+
+
+def mean_ettr(recovery: SyncRecovery | ReplicaRecovery, gpus: int, *, failure_model: str,
+              failures: int, seeds: int, seed: int) -> dict:
+    """Mean ETTR of one recovery model at one scale over the traces of ``_traces``:
+    {"work", "time", and across seeds (work-based) "sd", "min", "max"}."""
+    runs = [simulate(recovery, gpus, trace, horizon_s)
+            for trace, horizon_s in _traces(gpus, failure_model=failure_model,
+                                            failures=failures, seeds=seeds, seed=seed)]
+    work = [o.work for o in runs]
+    return {"work": float(np.mean(work)), "time": float(np.mean([o.time for o in runs])),
+            "sd": float(np.std(work)), "min": float(min(work)), "max": float(max(work))}
+
+
+def ettr_at_scale(gpus: int, ftsystem: Callable[[int], ReplicaRecovery], *, failure_model: str,
+                  failures: int, seeds: int, seed: int) -> dict:
+    """Mean ETTR of the three recovery models at one scale, over ``seeds`` runs of about
+    ``failures`` failures each, all on the same traces. ``ftsystem`` gives ftsystem's recovery at
+    a job size. Returns {"gpus", "mttf_min", "sync", "fthsdp", "ftsystem" (work-based),
+    "time_based", and across seeds (work-based) "sd" and "range" ([min, max])}."""
+    mttf_s = FAILURE_MODELS[failure_model](gpus)
+    models = {"sync": sync_recovery(mttf_s), "fthsdp": FTHSDP, "ftsystem": ftsystem(gpus)}
+    means = {name: mean_ettr(model, gpus, failure_model=failure_model, failures=failures,
+                             seeds=seeds, seed=seed) for name, model in models.items()}
     row: dict = {"gpus": gpus, "mttf_min": mttf_s / 60.0}
-    row.update({name: float(np.mean([o.work for o in out])) for name, out in runs.items()})
-    row["time_based"] = {name: float(np.mean([o.time for o in out])) for name, out in runs.items()}
-    row["sd"] = {name: float(np.std([o.work for o in out])) for name, out in runs.items()}
+    row.update({name: m["work"] for name, m in means.items()})
+    row["time_based"] = {name: m["time"] for name, m in means.items()}
+    row["sd"] = {name: m["sd"] for name, m in means.items()}
+    row["range"] = {name: [m["min"], m["max"]] for name, m in means.items()}
     return row
 
 

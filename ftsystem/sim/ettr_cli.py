@@ -1,8 +1,11 @@
 """``ftsystem sim ettr``: ETTR of sync, FT-HSDP and ftsystem from 1K to 200K GPUs.
 
-Reads ftsystem's measured recovery costs from its benchmark JSON files, runs the discrete-event
-simulation of ``ftsystem.sim.ettr`` over the sweep of scales, prints a table, writes JSON and
-optionally a PNG. See docs/ettr_simulation.md.
+Reads the benchmark files that hold ftsystem's inputs at scale (the survivors' stall after a host
+dies, the controller's decision at 16,384 node agents, a replica's time to join and the join
+stall), builds ftsystem's recovery at each scale from them (``ftsystem.sim.scale_inputs``), runs
+the discrete-event simulation of ``ftsystem.sim.ettr`` over the sweep of scales and, at 98K GPUs,
+against each input; prints tables, writes JSON and optionally a PNG. See
+docs/ettr_simulation.md.
 """
 
 from __future__ import annotations
@@ -20,17 +23,11 @@ from rich.console import Console
 from ftsystem.cli import sim_app
 from ftsystem.report import machine, print_table, write_json
 from ftsystem.sim import ettr
+from ftsystem.sim import scale_inputs as si
 
-DEFAULT_FAILOVER_JSON = Path("bench/results/failover.json")
+DEFAULT_HOST_FAILOVER_JSON = Path("bench/results/failover_host.json")
+DEFAULT_CONTROLLER_JSON = Path("bench/results/controller_nodes.json")
 DEFAULT_REJOIN_JSON = Path("bench/results/rejoin.json")
-
-ASSUMED_COSTS = {
-    "stall_s": (5.0, "assumed (no failover benchmark): lease-bound detection plus one "
-                     "reconfiguration"),
-    "join_stall_s": (1.0, "assumed (no rejoin benchmark): one reconfiguration"),
-    "catchup_s": (60.0, "assumed (no rejoin benchmark): snapshot transfer and log replay"),
-}
-"""ftsystem's costs when its benchmarks have not been run: (seconds, why this value)."""
 
 LABELS = {"sync": "sync restart-all", "fthsdp": "FT-HSDP (paper)", "ftsystem": "ftsystem"}
 
@@ -43,10 +40,14 @@ class Precision:
     """Failures per simulated run (the horizon is this many MTTFs)."""
     seeds: int
     """Independent runs per scale; the report gives their mean."""
+    sensitivity_failures: int
+    """Failures per run at each point of the sensitivity table."""
+    sensitivity_seeds: int
+    """Runs per point of the sensitivity table."""
 
 
-FULL = Precision(failures=10_000, seeds=4)
-QUICK = Precision(failures=2_000, seeds=2)
+FULL = Precision(failures=10_000, seeds=4, sensitivity_failures=10_000, sensitivity_seeds=4)
+QUICK = Precision(failures=2_000, seeds=2, sensitivity_failures=400, sensitivity_seeds=1)
 
 FailureModel = enum.Enum("FailureModel", {name: name for name in ettr.FAILURE_MODELS}, type=str)
 
@@ -72,7 +73,10 @@ def _field(data: Any, keys: tuple[str, ...], path: Path, option: str) -> Any:
 
 
 def _non_negative(value: Any, what: str, path: Path, option: str) -> float:
-    """A number read from a benchmark file (seconds, parameters): finite and not negative."""
+    """A number read from a benchmark file (seconds, parameters): finite and not negative. A
+    figure from several rounds ({"median": x, ...}) gives its median."""
+    if isinstance(value, dict) and "median" in value:
+        value = value["median"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value < 0:
         raise typer.BadParameter(f"{what} in {path} must be a non-negative number, got {value!r}",
@@ -82,25 +86,58 @@ def _non_negative(value: Any, what: str, path: Path, option: str) -> float:
 
 def _benchmark_file(given: Path | None, default: Path) -> Path | None:
     """The file to read: the one given (an error later if unreadable), else the default if it
-    exists, else None (costs assumed)."""
+    exists, else None (the input falls back to an assumption)."""
     if given is not None:
         return given
     return default if default.is_file() else None
 
 
-def _failover_costs(path: Path) -> dict[str, tuple[float, str]]:
-    option = "--failover-json"
+def _host_stalls(path: Path) -> tuple[dict[int, dict[str, float]], str, float]:
+    """({nodes per replica: {"median", "max"}}, source, the timeout it ran at) from
+    ``bench failover --scenario host``: the main layout and every one under ``layouts``."""
+    option = "--host-failover-json"
     data = _read_json(path, option)
-    stall = _field(data, ("ftsystem", "stall_s"), path, option)
-    median = _non_negative(_field(stall, ("median",), path, option), "ftsystem.stall_s.median",
-                      path, option)
-    count = data["ftsystem"].get("failures", "?")
-    return {"stall_s": (median, f"measured: {path}, ftsystem.stall_s.median over {count} "
-                                f"failures (max {stall.get('max', '?')} s)")}
+    others = data.get("layouts", {}) if isinstance(data, dict) else {}
+    if not isinstance(others, dict):
+        raise typer.BadParameter(f"{path}: layouts must map a layout to its results",
+                                 param_hint=option)
+    entries = [data, *others.values()]
+    layouts, failures = {}, 0
+    for entry in entries:
+        stall = _field(entry, ("ftsystem", "stall_s"), path, option)
+        nodes = entry["ftsystem"].get("nodes_per_replica", entry.get("nodes_per_replica", 1))
+        layouts[int(nodes)] = {k: _non_negative(_field(stall, (k,), path, option),
+                                                f"ftsystem.stall_s.{k}", path, option)
+                               for k in ("median", "max")}
+        failures += int(entry["ftsystem"].get("failures", 0))
+    timeout_s = data.get("setup", {}).get("ftsystem_timeout_s", si.DEFAULT_TIMEOUT_S)
+    return (layouts, f"{path}, ftsystem.stall_s over {failures} host kills from the fault's "
+                     f"instant at --timeout {timeout_s:g}", float(timeout_s))
 
 
-def _rejoin_costs(path: Path) -> dict[str, tuple[float, str]]:
-    """Costs at the largest model size in the rejoin benchmark (closest to a real job)."""
+def _decision(path: Path) -> tuple[float, float, int, str]:
+    """(p50, p99, node agents, source) of the slower kind of decision in
+    ``bench controller --nodes``."""
+    option = "--controller-json"
+    data = _read_json(path, option)
+    nodes = int(_non_negative(_field(data, ("config", "nodes"), path, option), "config.nodes",
+                              path, option))
+    kinds = _field(data, ("decision_latency_s",), path, option)
+    if not isinstance(kinds, dict) or not kinds:
+        raise typer.BadParameter(f"{path}: decision_latency_s must name at least one kind",
+                                 param_hint=option)
+    p99 = {k: _non_negative(_field(v, ("p99",), path, option), f"decision_latency_s.{k}.p99",
+                            path, option) for k, v in kinds.items()}
+    slow = max(p99, key=p99.get)
+    p50 = _non_negative(_field(kinds[slow], ("p50",), path, option),
+                        f"decision_latency_s.{slow}.p50", path, option)
+    return p50, p99[slow], nodes, (f"{path}, decision_latency_s.{slow}.p99 at {nodes:,} node "
+                                   f"agents (p50 {p50 * 1e3:.0f} ms)")
+
+
+def _rejoin(path: Path) -> tuple[float, float, str]:
+    """(time to join, join stall, source) of ftsystem at the largest model size in
+    ``bench rejoin`` (closest to a real job)."""
     option = "--rejoin-json"
     sizes = _field(_read_json(path, option), ("sizes",), path, option)
     if not isinstance(sizes, list) or not sizes:
@@ -108,34 +145,47 @@ def _rejoin_costs(path: Path) -> dict[str, tuple[float, str]]:
     params = [_non_negative(_field(size, ("params",), path, option), "params", path, option)
               for size in sizes]
     largest = sizes[params.index(max(params))]
-    where = f"measured: {path}, ftsystem at {max(params):,.0f} params"
-
-    def cost(key: str) -> tuple[float, str]:
-        value = _field(largest, ("ftsystem", key), path, option)
-        return _non_negative(value, f"ftsystem.{key}", path, option), f"{where}, {key}"
-
-    return {"join_stall_s": cost("join_stall_s"), "catchup_s": cost("time_to_join_s")}
+    joined, stalled = (_non_negative(_field(largest, ("ftsystem", key), path, option),
+                                     f"ftsystem.{key}", path, option)
+                       for key in ("time_to_join_s", "join_stall_s"))
+    return joined, stalled, f"{path}, ftsystem at {max(params):,.0f} params"
 
 
-def ftsystem_costs(failover: Path | None, rejoin: Path | None) -> dict[str, tuple[float, str]]:
-    """ftsystem's recovery costs as {name: (seconds, source)}: measured where a benchmark file is
-    given, assumed (and labelled so) where not."""
-    costs = dict(ASSUMED_COSTS)
-    if failover is not None:
-        costs.update(_failover_costs(failover))
+def read_evidence(host_failover: Path | None, controller: Path | None,
+                  rejoin: Path | None) -> si.Evidence:
+    """The inputs the benchmark files hold; an input whose file is None is assumed, and says so."""
+    timeout_s, layouts, host_source = si.DEFAULT_TIMEOUT_S, None, ""
+    if host_failover is not None:
+        layouts, host_source, timeout_s = _host_stalls(host_failover)
+    p50 = p99 = None
+    nodes, decision_source = None, ""
+    if controller is not None:
+        p50, p99, nodes, decision_source = _decision(controller)
+    joined = stalled = None
+    rejoin_source = ""
     if rejoin is not None:
-        costs.update(_rejoin_costs(rejoin))
-    return costs
+        joined, stalled, rejoin_source = _rejoin(rejoin)
+    return si.Evidence(
+        host_stall=si.host_stall_input(layouts, host_source, timeout_s=timeout_s),
+        decision=si.decision_input(p50, p99, decision_source), decision_nodes=nodes,
+        time_to_join=si.time_to_join_input(joined, f"{rejoin_source}, time_to_join_s "
+                                                   "(process start to first commit)"),
+        join_stall=si.join_stall_input(stalled, f"{rejoin_source}, join_stall_s"))
 
 
-def _ftsystem_assumptions(costs: dict[str, tuple[float, str]]) -> dict:
+def _inputs_report(parts: dict[str, si.Input], gpus: int) -> dict:
+    recovery = si.recovery(parts, gpus)
     return {
-        **{name: {"value_s": value, "source": source} for name, (value, source) in costs.items()},
-        "measured": [name for name, (_, source) in costs.items() if source.startswith("measured")],
-        "assumed": [name for name, (_, source) in costs.items() if source.startswith("assumed")],
-        "relaunch_s": ettr.RELAUNCH_S, "replica_gpus": ettr.REPLICA_GPUS,
-        "relaunch_and_replicas_source": "assumed: same as FT-HSDP, so only ftsystem's own costs "
-                                        "differ",
+        "gpus": gpus,
+        "inputs": {name: {"value_s": p.value_s, "kind": p.kind, "source": p.source,
+                          "sweep_s": list(p.points())} for name, p in parts.items()},
+        "by_kind": {kind: [n for n, p in parts.items() if p.kind == kind] for kind in si.KINDS},
+        "recovery": {"stall_s": recovery.stall_s, "relaunch_s": recovery.relaunch_s,
+                     "catchup_s": recovery.catchup_s, "join_stall_s": recovery.join_stall_s,
+                     "replica_gpus": recovery.replica_gpus},
+        "formula": "stall = host_stall + decision + nccl_reinit; relaunch = host_wait + "
+                   "replica_nccl_init; catch-up = time_to_join; join stall = join_stall + "
+                   "decision + nccl_reinit",
     }
 
 
@@ -180,11 +230,23 @@ def _print(report: dict) -> None:
                     [[LABELS[n], published, paper[n], paper["time_based"][n],
                       abs(paper[n] - published) <= ettr.PAPER_TOLERANCE]
                      for n, published in ettr.PAPER_ETTR.items()])
-    costs = report["assumptions"]["ftsystem"]
-    Console().print(f"ftsystem at {ettr.PAPER_GPUS:,} GPUs: ETTR "
-                    f"{report['ftsystem']['ettr_100k']:.3f} (work-based); costs measured: "
-                    f"{', '.join(costs['measured']) or 'none'}; assumed: "
-                    f"{', '.join(costs['assumed']) or 'none'}")
+    inputs = report["assumptions"]["ftsystem"]["inputs"]
+    print_table(f"ftsystem's inputs at {ettr.PAPER_GPUS:,} GPUs",
+                ["input", "seconds", "kind", "source"],
+                [[name, i["value_s"], i["kind"], i["source"]] for name, i in inputs.items()])
+    sens = report.get("sensitivity", {"gpus": ettr.PAPER_GPUS, "rows": []})
+    print_table(f"Sensitivity at {sens['gpus']:,} GPUs: ftsystem ETTR (work-based) against each "
+                "input, the others at base",
+                ["input", "kind", "base s", "value s -> ETTR"],
+                [[row["input"], row["kind"], row["base_s"],
+                  "  ".join(f"{p['value_s']:.3g}->{p['work']:.3f}" for p in row["points"])]
+                 for row in sens["rows"]])
+    fts = report["ftsystem"]
+    Console().print(f"ftsystem at {fts['gpus']:,} GPUs: ETTR {fts['ettr_100k']:.3f} work-based "
+                    f"(seeds {fts['seeds_min']:.3f}..{fts['seeds_max']:.3f}), "
+                    f"{fts['ettr_time_100k']:.3f} time-based; inputs assumed because a "
+                    f"benchmark file is missing: "
+                    f"{', '.join(report['assumptions']['ftsystem']['missing']) or 'none'}")
 
 
 @sim_app.command("ettr")
@@ -199,26 +261,47 @@ def ettr_command(
     quick: Annotated[bool, typer.Option(
         "--quick", help="Fewer seeds and less virtual time (noisier, seconds).")] = False,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Base random seed.")] = 0,
-    failover_json: Annotated[Optional[Path], typer.Option(
-        "--failover-json", dir_okay=False,
-        help=f"ftsystem failover benchmark (default: {DEFAULT_FAILOVER_JSON}, if it exists)")] = None,
+    host_failover_json: Annotated[Optional[Path], typer.Option(
+        "--host-failover-json", dir_okay=False,
+        help=f"bench failover --scenario host (default: {DEFAULT_HOST_FAILOVER_JSON}, if it "
+             "exists)")] = None,
+    controller_json: Annotated[Optional[Path], typer.Option(
+        "--controller-json", dir_okay=False,
+        help=f"bench controller --nodes (default: {DEFAULT_CONTROLLER_JSON}, if it exists)")
+    ] = None,
     rejoin_json: Annotated[Optional[Path], typer.Option(
         "--rejoin-json", dir_okay=False,
-        help=f"ftsystem rejoin benchmark (default: {DEFAULT_REJOIN_JSON}, if it exists)")] = None,
+        help=f"bench rejoin (default: {DEFAULT_REJOIN_JSON}, if it exists)")] = None,
     failure_model: Annotated[FailureModel, typer.Option(
         "--failure-model", help="Published failure statistics to scale from.")
     ] = FailureModel("kokolis"),
+    sensitivity: Annotated[bool, typer.Option(
+        "--sensitivity/--no-sensitivity",
+        help="ETTR at 98K GPUs against each of ftsystem's inputs (about half the run time).")
+    ] = True,
 ) -> None:
     """Simulate ETTR of sync restart-all, FT-HSDP and ftsystem from 1K to 200K GPUs."""
-    costs = ftsystem_costs(_benchmark_file(failover_json, DEFAULT_FAILOVER_JSON),
-                           _benchmark_file(rejoin_json, DEFAULT_REJOIN_JSON))
-    ftsystem = ettr.ftsystem_recovery(**{name: value for name, (value, _) in costs.items()})
+    files = {option: _benchmark_file(given, default) for option, given, default in (
+        ("--host-failover-json", host_failover_json, DEFAULT_HOST_FAILOVER_JSON),
+        ("--controller-json", controller_json, DEFAULT_CONTROLLER_JSON),
+        ("--rejoin-json", rejoin_json, DEFAULT_REJOIN_JSON))}
+    evidence = read_evidence(*files.values())
     precision = QUICK if quick else FULL
     model = FailureModel(failure_model).value
-    rows = [ettr.ettr_at_scale(gpus, ftsystem, failure_model=model, failures=precision.failures,
-                               seeds=precision.seeds, seed=seed)
-            for gpus in ettr.SCALES]
+    budget = {"failure_model": model, "failures": precision.failures, "seeds": precision.seeds,
+              "seed": seed}
+
+    def ftsystem_at(gpus: int) -> ettr.ReplicaRecovery:
+        return si.recovery(si.components(evidence, gpus), gpus)
+
+    rows = [ettr.ettr_at_scale(gpus, ftsystem_at, **budget) for gpus in ettr.SCALES]
+    for row in rows:
+        recovery = ftsystem_at(row["gpus"])
+        row["ftsystem_recovery_s"] = {"stall": recovery.stall_s, "relaunch": recovery.relaunch_s,
+                                      "catchup": recovery.catchup_s,
+                                      "join_stall": recovery.join_stall_s}
     at_paper_scale = next(row for row in rows if row["gpus"] == ettr.PAPER_GPUS)
+    parts = si.components(evidence, ettr.PAPER_GPUS)
     report: dict = {}
     if reproduce_paper:
         report["paper"] = {"gpus": ettr.PAPER_GPUS,
@@ -228,11 +311,28 @@ def ettr_command(
                            "published": ettr.PAPER_ETTR,
                            "reproduced": ettr.paper_reproduced(at_paper_scale)}
     report["ftsystem"] = {"gpus": ettr.PAPER_GPUS, "ettr_100k": at_paper_scale["ftsystem"],
-                          "ettr_time_100k": at_paper_scale["time_based"]["ftsystem"]}
+                          "ettr_time_100k": at_paper_scale["time_based"]["ftsystem"],
+                          "seeds_sd": at_paper_scale["sd"]["ftsystem"],
+                          "seeds_min": at_paper_scale["range"]["ftsystem"][0],
+                          "seeds_max": at_paper_scale["range"]["ftsystem"][1]}
+    if sensitivity:
+        report["sensitivity"] = {
+            "gpus": ettr.PAPER_GPUS, "ettr": "work-based in 'work', time-based in 'time'",
+            "failures_per_run": precision.sensitivity_failures,
+            "seeds": precision.sensitivity_seeds,
+            "rows": si.sensitivity(parts, ettr.PAPER_GPUS, lambda recovery: {
+                k: v for k, v in ettr.mean_ettr(
+                    recovery, ettr.PAPER_GPUS, failure_model=model, seed=seed,
+                    failures=precision.sensitivity_failures,
+                    seeds=precision.sensitivity_seeds).items() if k in ("work", "time")})}
     report["assumptions"] = {**ettr.model_assumptions(model),
-                             "ftsystem": _ftsystem_assumptions(costs),
+                             "ftsystem": {**_inputs_report(parts, ettr.PAPER_GPUS),
+                                          "missing": [o for o, f in files.items() if f is None]},
                              "simulation": {"failures_per_run": precision.failures,
                                             "seeds": precision.seeds, "seed": seed,
+                                            "rng": "numpy default_rng((seed, gpus, k)) for "
+                                                   "k in range(seeds), the same traces for "
+                                                   "every model and sensitivity point",
                                             "quick": quick}}
     report["scales"] = rows
     report["machine"] = machine()
