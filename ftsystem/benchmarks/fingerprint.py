@@ -48,19 +48,16 @@ MEASURED = ("one replica, no communication; the digest's all-reduce of 16 bytes 
 
 # --- pure logic -------------------------------------------------------------------------------
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarize(rounds: Sequence[Mapping[str, Sequence[float]]], everies: Sequence[int]) -> dict:
     """From each round's ``step_s`` and ``digest_s`` samples: the spread of each over every
     sample, and per ``every`` the spread over the rounds of ``digest / (every * step)``, each
     round's ratio from that round's medians (pairing within a round cancels the load's drift)."""
     pairs = [(statistics.median(r["step_s"]), statistics.median(r["digest_s"])) for r in rounds]
     return {
-        "step_s": spread([t for r in rounds for t in r["step_s"]]),
-        "digest_s": spread([t for r in rounds for t in r["digest_s"]]),
-        "cost_fraction": {str(every): spread([digest / (every * step) for step, digest in pairs])
+        "step_s": report.spread([t for r in rounds for t in r["step_s"]]),
+        "digest_s": report.spread([t for r in rounds for t in r["digest_s"]]),
+        "cost_fraction": {str(every): report.spread([digest / (every * step)
+                                                     for step, digest in pairs])
                           for every in everies}}
 
 
@@ -122,7 +119,7 @@ def measure(params: int, *, rounds: int, everies: Sequence[int]) -> dict:
             "digest_s": lambda: _timed(lambda: state_digest(state), DIGESTS_PER_ROUND)}
     per_round = []
     for round_ in range(rounds):
-        order = list(runs) if round_ % 2 == 0 else list(runs)[::-1]
+        order = report.round_order(list(runs), round_)
         per_round.append({"order": order, **{name: runs[name]() for name in order}})
     return {"params": params, "num_params": num_params(replica.model),
             "digest_bytes": sum(t.numel() * t.element_size() for t in tree_tensors(state)),
