@@ -63,3 +63,35 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
     assert data["restart_all"]["rounds"][0]["collective_timeout_s"] == 2.0
     assert set(data["ratio"]["ettr_time"]) >= {"median", "min", "max", "per_round"}
     assert "ETTR over 15 s" in result.output
+
+
+def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
+                                                                      monkeypatch) -> None:
+    """The command's own logic, the two systems' runs replaced by hand-made rounds."""
+    from ftsystem.benchmarks import ettr_bench
+
+    calls = []
+
+    def fake(name: str, ettr_time: float):
+        def run(*, workdir, **_) -> dict:
+            calls.append(name)
+            faults = [{"time": 5.0, "action": "kill", "replica": "r1", "stall_s": 1.0 - ettr_time}]
+            return {"ettr_time": ettr_time, "ettr_work": ettr_time, "interval_s": 10.0,
+                    "window_start_s": 1.0, "failures": 1, "history": "all generations",
+                    "step_s": 0.1, **stall_summary(faults, start=0.0, end=10.0)}
+        return run
+
+    monkeypatch.setattr(ettr_bench, "run_baseline", fake("restart_all", 0.5))
+    monkeypatch.setattr(ettr_bench, "run_ftsystem", fake("ftsystem", 0.9))
+    out = tmp_path / "ettr.json"
+    result = CliRunner().invoke(app, ["bench", "ettr", "--duration", "10", "--actions", "kill",
+                                      "--rounds", "3", "--workdir", str(tmp_path / "runs"),
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert calls == ["restart_all", "ftsystem", "ftsystem", "restart_all", "restart_all",
+                     "ftsystem"]
+    data = json.loads(out.read_text())
+    assert data["ftsystem"]["ettr_time"] == {"median": 0.9, "min": 0.9, "max": 0.9}
+    assert data["ratio"]["ettr_time"]["per_round"] == [pytest.approx(1.8)] * 3
+    assert data["restart_all"]["stall_by_action"]["kill"]["n"] == 3
+    assert (tmp_path / "runs" / "round2" / "ftsystem" / "round.json").exists()

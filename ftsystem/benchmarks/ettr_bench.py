@@ -321,13 +321,16 @@ def _run_rounds(spec: ChaosSpec, plan: list[dict], *, rounds: int, replicas: int
                                timeout_s=timeout_s, checkpoint_every=checkpoint_every,
                                netns=netns, train_args=train_args, workdir=where)
             pace.extend([out["step_s"]] if out["step_s"] else [])
-            return out | {"round": r}
-        steps = math.ceil(STEP_MARGIN * duration_s / (pace[-1] if pace else sleep_per_step))
-        return run_ftsystem(spec=spec, first_offset_s=plan[0]["at_s"] if plan else 0.0,
-                            num_replicas=replicas, duration_s=duration_s, timeout_s=timeout_s,
-                            num_steps=steps, netns=netns,
-                            train_args=[*train_args, "--loop", "plain"], workdir=where
-                            ) | {"round": r}
+        else:
+            steps = math.ceil(STEP_MARGIN * duration_s / (pace[-1] if pace else sleep_per_step))
+            out = run_ftsystem(spec=spec, first_offset_s=plan[0]["at_s"] if plan else 0.0,
+                               num_replicas=replicas, duration_s=duration_s,
+                               timeout_s=timeout_s, num_steps=steps, netns=netns,
+                               train_args=[*train_args, "--loop", "plain"], workdir=where)
+        out["round"] = r
+        # Each round's figures as soon as it ends: a long run interrupted keeps what it measured.
+        report.write_json(where / "round.json", out)
+        return out
 
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-ettr-") as tmp:
         root = workdir or Path(tmp)
