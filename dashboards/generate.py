@@ -6,9 +6,10 @@ the JSON, and regenerate: a test fails while they differ.
 
 Every query reads the datasource of uid ``prometheus`` (``provisioning/datasources``) and
 selects the job by the ``job`` label the controller's service discovery gives each target.
-Events that happen a few times per process (epoch changes, restarts, catch-ups) are shown as
-their counters since the process started, not as ``rate``/``increase``: a labelled series only
-appears at its first event, so a window function never sees that event.
+Every process creates its labelled series at zero when it starts (``ftsystem.metrics.init_*``),
+so ``increase`` sees the first failure too. Panels stay readable at thousands of replicas: per
+replica they show the ``TOPK`` worst (``topk``/``bottomk``), and distributions over all replicas
+as heatmaps.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from grafana_foundation_sdk.builders.common import ReduceDataOptions, VizLegendOptions
 from grafana_foundation_sdk.builders.dashboard import Dashboard, DashboardLink, QueryVariable, Row
+from grafana_foundation_sdk.builders.heatmap import Panel as Heatmap
+from grafana_foundation_sdk.builders.heatmap import YAxisConfig
 from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.builders.stat import Panel as Stat
 from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
@@ -27,6 +30,7 @@ from grafana_foundation_sdk.models.common import (BigValueGraphMode, LegendDispl
                                                   LegendPlacement)
 from grafana_foundation_sdk.models.dashboard import (DashboardLinkType, DataSourceRef,
                                                      VariableRefresh, VariableSort)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="prometheus")
 """The uid given to Prometheus in provisioning/datasources/prometheus.yaml."""
@@ -34,6 +38,8 @@ TAG = "ftsystem"
 JOB = 'job="$job"'
 REPLICA = 'job="$job", replica=~"$replica"'
 OUT_DIR = Path(__file__).resolve().parent
+TOPK = 10
+"""Per-replica panels show this many replicas (the worst): thousands of lines are unreadable."""
 
 
 # --- building blocks -------------------------------------------------------------------------
@@ -58,6 +64,20 @@ def stat(title: str, description: str, expr: str, unit: str = "none") -> Stat:
     return _with_targets(panel, [query(expr)])
 
 
+def heatmap(title: str, description: str, unit: str, metric: str, selector: str) -> Heatmap:
+    """The distribution of a histogram over every replica, per time bucket."""
+    panel = (Heatmap().title(title).description(description).datasource(DATASOURCE)
+             .height(8).span(12).calculate(False).y_axis(YAxisConfig().unit(unit)))
+    target = query(f"sum by (le) (rate({metric}_bucket{{{selector}}}[$__rate_interval]))",
+                   "{{le}}").format(PromQueryFormat.HEATMAP)
+    return _with_targets(panel, [target])
+
+
+def worst(k_func: str, expr: str) -> str:
+    """``topk``/``bottomk`` of ``TOPK`` series."""
+    return f"{k_func}({TOPK}, {expr})"
+
+
 def _with_targets(panel, targets):
     for ref, target in zip("ABCDEFGH", targets):
         panel.with_target(target.ref_id(ref))
@@ -65,9 +85,10 @@ def _with_targets(panel, targets):
 
 
 def quantiles(metric: str, selector: str, by: str, qs: tuple[float, ...]) -> list[Dataquery]:
-    """Quantiles of a histogram observed every step, over ``$__rate_interval``."""
-    return [query(f"histogram_quantile({q}, sum by (le, {by}) "
-                  f"(rate({metric}_bucket{{{selector}}}[$__rate_interval])))",
+    """Quantiles of a histogram observed every step, over ``$__rate_interval``: the ``TOPK``
+    highest series of each."""
+    return [query(worst("topk", f"histogram_quantile({q}, sum by (le, {by}) "
+                                f"(rate({metric}_bucket{{{selector}}}[$__rate_interval])))"),
                   f"{{{{{by}}}}} p{round(q * 100)}") for q in qs]
 
 
@@ -136,10 +157,26 @@ def job_overview() -> Dashboard:
                        "pace) and work-based (steps committed over what all replicas could).",
                        "percentunit",
                        query(f"max by (kind) (ftsystem_ettr{{{JOB}}})", "{{kind}}")),
-            timeseries("Steps per second", "Committed steps per second of each replica.",
-                       "none", query(f"sum by (replica) "
-                                     f"(rate(ftsystem_steps_committed_total{{{JOB}}}"
-                                     f"[$__rate_interval]))", "{{replica}}")),
+            timeseries("Steps per second", f"Committed steps per second: the job (its fastest "
+                       f"replica) and the {TOPK} slowest replicas.", "none",
+                       query(f"max(rate(ftsystem_steps_committed_total{{{JOB}}}"
+                             f"[$__rate_interval]))", "job"),
+                       query(worst("bottomk", f"max by (replica) "
+                                              f"(rate(ftsystem_steps_committed_total{{{JOB}}}"
+                                              f"[$__rate_interval]))"), "{{replica}}")),
+            timeseries("Goodput", "Training samples committed per second by the whole job "
+                       "(every rank trains on its own shard).", "none",
+                       query(f"sum(rate(ftsystem_samples_total{{{JOB}}}[$__rate_interval]))",
+                             "samples/s")),
+            timeseries("Step lag per replica", f"Steps each replica is behind the job's most "
+                       f"advanced one, from the progress they report to etcd (a few seconds "
+                       f"late): the {TOPK} furthest behind.", "none",
+                       query(worst("topk", f"max by (job) (ftsystem_replica_step{{{JOB}}}) - "
+                                           f"on (job) group_right max by (job, replica) "
+                                           f"(ftsystem_replica_step{{{JOB}}})"), "{{replica}}")),
+            heatmap("Step duration, all replicas", "Wall time between commits over every "
+                    "replica: where most steps fall, and the tail.", "s",
+                    "ftsystem_step_duration_seconds", JOB),
             timeseries("Membership decision latency", "From a registration change seen by the "
                        "leader to its epoch published: quantiles over the decisions since the "
                        "leader started.", "s",
@@ -148,16 +185,46 @@ def job_overview() -> Dashboard:
                                f"p{round(q * 100)}") for q in (0.5, 0.99)]),
         ]),
         ("Failures and stalls", [
-            timeseries("Replica restarts", "Restarts of each replica by its agent.", "none",
-                       query(f"sum by (replica) (ftsystem_replica_restarts_total{{{JOB}}})",
+            timeseries("Failures per hour", "Replica restarts by the agents over the last "
+                       "hour, and chaos orders carried out.", "none",
+                       query(f"sum(increase(ftsystem_replica_restarts_total{{{JOB}}}[1h]))",
+                             "restarts"),
+                       query(f"sum(increase(ftsystem_failures_injected_total{{{JOB}, "
+                             f'state="done"}}[1h]))', "injected"), width=8),
+            timeseries("Replica restarts", f"Restarts of the {TOPK} most restarted replicas "
+                       f"by their agents.", "none",
+                       query(worst("topk", f"sum by (replica) "
+                                           f"(ftsystem_replica_restarts_total{{{JOB}}})"),
                              "{{replica}}"), width=8),
-            timeseries("Time stalled", "Fraction of the time each replica spends "
-                       "reconfiguring or waiting for an epoch.", "percentunit",
-                       query(f"sum by (replica) (rate(ftsystem_stall_seconds_total{{{JOB}}}"
-                             f"[$__rate_interval]))", "{{replica}}"), width=8),
+            timeseries("Time stalled", f"Fraction of the time the {TOPK} most stalled replicas "
+                       f"spend reconfiguring or waiting for an epoch.", "percentunit",
+                       query(worst("topk", f"max by (replica) "
+                                           f"(rate(ftsystem_stall_seconds_total{{{JOB}}}"
+                                           f"[$__rate_interval]))"), "{{replica}}"), width=8),
+            timeseries("Injected chaos", "Chaos orders the agents carried out, by action and "
+                       "outcome, since they started.", "none",
+                       query(f"sum by (action, state) "
+                             f"(ftsystem_failures_injected_total{{{JOB}}}) > 0 or "
+                             f"sum(ftsystem_failures_injected_total{{{JOB}}})",
+                             "{{action}} {{state}}"), width=8),
             timeseries("Epoch change time by reason", "Mean time of the members to enter a "
                        "new epoch (reconfigure and state sync), since each process started.",
                        "s", mean("ftsystem_epoch_change_seconds", JOB, "reason"), width=8),
+        ]),
+        ("etcd", [
+            stat("etcd has a leader", "1 when every scraped etcd member sees a leader; 0: "
+                 "etcd refuses writes and the job cannot change membership.",
+                 "min(etcd_server_has_leader)"),
+            timeseries("etcd database vs quota", "Database size over the backend quota of "
+                       "each member: at 100% etcd refuses every write (alert at 80%).",
+                       "percentunit",
+                       query("max by (instance) (etcd_mvcc_db_total_size_in_bytes) / max by "
+                             "(instance) (etcd_server_quota_backend_bytes)", "{{instance}}"),
+                       width=9),
+            timeseries("etcd WAL fsync p99", "The disk latency etcd waits for on every write.",
+                       "s", query("histogram_quantile(0.99, sum by (le, instance) "
+                                  "(rate(etcd_disk_wal_fsync_duration_seconds_bucket"
+                                  "[$__rate_interval])))", "{{instance}}"), width=9),
         ]),
     ])
 
@@ -173,18 +240,22 @@ def replica_detail() -> Dashboard:
             timeseries("FTAR duration", "Time of the successful fault-tolerant all-reduce.",
                        "s", *quantiles("ftsystem_ftar_duration_seconds", REPLICA, "replica",
                                        (0.5, 0.99)), width=8),
-            timeseries("FTAR failures", "All-reduce attempts that failed, since each replica "
-                       "process started.", "none",
-                       query(f"sum by (replica) (ftsystem_ftar_failures_total{{{REPLICA}}})",
+            timeseries("FTAR failures", f"All-reduce attempts that failed, since each replica "
+                       f"process started ({TOPK} replicas with the most).", "none",
+                       query(worst("topk", f"max by (replica) "
+                                           f"(ftsystem_ftar_failures_total{{{REPLICA}}})"),
                              "{{replica}}"), width=8),
         ]),
         ("Training", [
-            timeseries("Training loss", "Last loss each replica committed.", "none",
-                       query(f"max by (replica) (ftsystem_training_loss{{{REPLICA}}})",
-                             "{{replica}}")),
-            timeseries("Samples per second", "Training samples committed per second.", "none",
-                       query(f"sum by (replica) (rate(ftsystem_samples_total{{{REPLICA}}}"
-                             f"[$__rate_interval]))", "{{replica}}")),
+            timeseries("Training loss", f"Last loss each replica committed ({TOPK} highest).",
+                       "none", query(worst("topk", f"max by (replica) "
+                                                   f"(ftsystem_training_loss{{{REPLICA}}})"),
+                                     "{{replica}}")),
+            timeseries("Samples per second", f"Training samples committed per second ({TOPK} "
+                       f"slowest replicas).", "none",
+                       query(worst("bottomk", f"sum by (replica) "
+                                              f"(rate(ftsystem_samples_total{{{REPLICA}}}"
+                                              f"[$__rate_interval]))"), "{{replica}}")),
         ]),
     ])
 
@@ -195,6 +266,10 @@ def catch_up() -> Dashboard:
                      "process catches up once: its values are those of its catch-up.",
                      [job_variable()], [
         ("Catch-up", [
+            timeseries("Catch-up in progress", "Replicas catching up now, as the controllers "
+                       "read them from etcd (alert: one for over 15 minutes).", "none",
+                       query(f'max(ftsystem_replicas{{{JOB}, state="catching_up"}})',
+                             "catching up")),
             timeseries("Catch-up duration", "From a joiner's start of catch-up to ready.",
                        "s", mean("ftsystem_catchup_duration_seconds", JOB, "replica")),
             timeseries("Bytes fetched", "Bytes a joiner fetched from donors (snapshot and "

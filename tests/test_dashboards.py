@@ -29,6 +29,7 @@ PROMETHEUS = Path("/usr/bin/prometheus")
 RATE_INTERVAL = "10s"
 """Grafana's ``$__rate_interval`` is at least 4 scrape intervals (here 1 s)."""
 COMPONENTS = {"controller", "agent", "replica"}
+RULE_FILES = ("recording.yml", "alerts.yml")
 
 
 def committed() -> dict[str, dict]:
@@ -71,7 +72,8 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
     if not PROMETHEUS.exists():
         pytest.skip(f"{PROMETHEUS} is not installed")
     controller = free_port()
-    config = write_prometheus_config(tmp_path, f"http://127.0.0.1:{controller}/v1/sd/prometheus")
+    config = write_prometheus_config(tmp_path, f"http://127.0.0.1:{controller}/v1/sd/prometheus",
+                                     etcd.url)
     checked = subprocess.run([shutil.which("promtool") or "/usr/bin/promtool", "check",
                               "config", str(config)], check=False, capture_output=True,
                              text=True)
@@ -103,6 +105,8 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
                  for title, ref, expr in panel_targets(dashboard)
                  if not _has_value(prom, _substitute(expr, job_id), window)]
         assert not empty, "panels without data:\n" + "\n".join(empty)
+        silent = [rule for rule in recording_rules() if not _has_value(prom, rule, window)]
+        assert not silent, f"recording rules without data: {silent}"
     finally:
         runner.join(120)
         prometheus.terminate()
@@ -122,14 +126,26 @@ def start_prometheus(config: Path, directory: Path, url: str) -> subprocess.Pope
             stdout=log, stderr=subprocess.STDOUT)
 
 
-def write_prometheus_config(directory: Path, discovery_url: str) -> Path:
+def write_prometheus_config(directory: Path, discovery_url: str, etcd_url: str) -> Path:
+    """The job through the controller's discovery, etcd, and the committed rules (evaluated
+    every second, so that the recording rules have data within the run)."""
     path = directory / "prometheus.yml"
     path.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-        "scrape_configs": [{"job_name": "ftsystem", "http_sd_configs": [
-            {"url": discovery_url, "refresh_interval": "1s"}]}],
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(DASHBOARDS / name) for name in RULE_FILES],
+        "scrape_configs": [
+            {"job_name": "ftsystem", "honor_labels": True, "http_sd_configs": [
+                {"url": discovery_url, "refresh_interval": "1s"}]},
+            {"job_name": "etcd", "static_configs": [
+                {"targets": [etcd_url.removeprefix("http://")]}]}],
     }))
     return path
+
+
+def recording_rules() -> list[str]:
+    return [rule["record"] for name in RULE_FILES
+            for group in yaml.safe_load((DASHBOARDS / name).read_text())["groups"]
+            for rule in group["rules"] if "record" in rule]
 
 
 def check_variables(prom: str, job_id: str, window: dict) -> None:
