@@ -265,8 +265,9 @@ def test_compose_commands_are_ftsystem_commands(monkeypatch):
     assert f"--advertise-client-urls={etcd_url}" in services["etcd"]["command"]
     argv = compose_argv(services["controller"])
     started = check_command(argv, monkeypatch)
-    # The controller advertises --host:--port to Prometheus: it must be its service name.
-    assert (started["etcd"], started["host"]) == (etcd_url, "controller")
+    # The controller advertises --advertise-address:--port to Prometheus: its service name.
+    assert (started["etcd"], started["advertise_address"]) == (etcd_url, "controller")
+    assert started["bind"] == "0.0.0.0" and not started["insecure"]
     shards = {}
     for name, service in agent_services().items():
         argv = compose_argv(service)
@@ -339,7 +340,8 @@ def test_prometheus_config_discovers_through_the_controller():
     argv = compose_argv(services["controller"])
     urls = [sd["url"] for job in prometheus_config()["scrape_configs"]
             for sd in job.get("http_sd_configs", [])]
-    assert urls == [f"http://{option(argv, '--host')}:{option(argv, '--port')}/v1/sd/prometheus"]
+    assert urls == [f"http://{option(argv, '--advertise-address')}:{option(argv, '--port')}"
+                    "/v1/sd/prometheus"]
     mounts = services["prometheus"]["volumes"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
@@ -443,7 +445,7 @@ def compose_controller(etcd, tmp_path_factory):
     argv = compose_argv(compose()["services"]["controller"])
     port = free_port()
     argv = [localize(a, {"etcd:2379": etcd.url.removeprefix("http://")}) for a in argv]
-    argv[argv.index("--host") + 1] = "127.0.0.1"
+    argv[argv.index("--advertise-address") + 1] = "127.0.0.1"
     argv[argv.index("--port") + 1] = str(port)
     # The project itself is installed with --no-deps; pip, setuptools and wheel come with the
     # base image.
@@ -776,8 +778,8 @@ def test_k8s_controller_command_is_an_ftsystem_command(monkeypatch):
     entrypoint = image_argv(container["image"].split(":")[0].removeprefix("ftsystem-"))[0]
     started = check_command(entrypoint + expand(container["args"], container, POD_FIELDS),
                             monkeypatch)
-    assert (started["instance_id"], started["host"]) == (POD_FIELDS["metadata.name"],
-                                                         POD_FIELDS["status.podIP"])
+    assert (started["instance_id"], started["advertise_address"]) == (
+        POD_FIELDS["metadata.name"], POD_FIELDS["status.podIP"])
     assert started["port"] == container["ports"][0]["containerPort"]
     from controller.auth import ENV_TOKEN_FILE
     token_file = Path(next(e["value"] for e in container["env"] if e["name"] == ENV_TOKEN_FILE))
