@@ -15,17 +15,15 @@ from fastapi import Body, Depends, FastAPI, HTTPException, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controller.auth import BearerAuth, RateLimit, load_token
+from controller.auth import BearerAuth, load_token
 from controller.leader import LeaderConfig, run_elections
 from controller.status_page import status_router
-from ftsystem import keys, metrics
+from ftsystem import chaos_rate, keys, metrics
 from ftsystem.chaos import ChaosSpecError, Order, spec_from_mapping, submit
 from ftsystem.membership import ReplicaState
 from ftsystem.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
-# Chaos specs accepted per window (s): chaos is an experiment, not a load. "N/SECONDS".
-ENV_CHAOS_RATE = "FTSYSTEM_CHAOS_RATE"
 INTERNAL_EPOCH_FIELDS = ("store_addr",)
 """Left out of the public view: the rendezvous store's address. (The state servers' addresses
 live in registrations and catch-up assignments, which the view does not copy.)"""
@@ -83,18 +81,22 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
         raise HTTPException(404, f"replica {replica_id!r} is not part of job {job!r}; "
                                  f"GET /v1/jobs/{job} lists its replicas")
 
-    limit, _, window = os.environ.get(ENV_CHAOS_RATE, "10/60").partition("/")
-    chaos_rate = RateLimit(int(limit), float(window))
+    limit, window_s = chaos_rate.configured_rate()
 
-    @app.post("/v1/jobs/{job}/chaos", status_code=201, dependencies=[Depends(chaos_rate)])
+    @app.post("/v1/jobs/{job}/chaos", status_code=201)
     async def post_chaos(job: str, spec: dict[str, Any] = Body(...)) -> dict:
-        """Validate a chaos spec, expand it against the job's replicas, store the orders."""
+        """Validate a chaos spec, expand it against the job's replicas, store the orders.
+        Rate-limited per job (``FTSYSTEM_CHAOS_RATE``, shared with ``ftsystem chaos apply``)."""
         _check_job(cfg.job, job)
         try:
-            orders = await submit(store, job, spec_from_mapping(spec),
-                                  f"api-{int(time.time() * 1000)}", now=time.time())
+            parsed = spec_from_mapping(spec)
+            await chaos_rate.take(store, job, limit, window_s)
+            orders = await submit(store, job, parsed, f"api-{int(time.time() * 1000)}",
+                                  now=time.time())
         except ChaosSpecError as e:
             raise HTTPException(400, f"invalid chaos spec: {e}; nothing was stored") from e
+        except chaos_rate.ChaosRateError as e:
+            raise HTTPException(429, f"{e}; nothing was stored") from e
         return {"orders": [order.id for order in orders]}
 
     @app.get("/v1/jobs/{job}/chaos")

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import time
-from collections import deque
 
 from fastapi import HTTPException, Request
 
@@ -59,20 +57,3 @@ class BearerAuth:
             raise HTTPException(401, "missing or wrong bearer token: send "
                                      "'Authorization: Bearer <token>'",
                                 headers={"WWW-Authenticate": "Bearer"})
-
-
-class RateLimit:
-    """At most ``limit`` calls per ``window_s`` (sliding window); 429 beyond."""
-
-    def __init__(self, limit: int, window_s: float) -> None:
-        self.limit, self.window_s = limit, window_s
-        self._calls: deque[float] = deque()
-
-    def __call__(self) -> None:
-        now = time.monotonic()
-        while self._calls and now - self._calls[0] > self.window_s:
-            self._calls.popleft()
-        if len(self._calls) >= self.limit:
-            raise HTTPException(429, f"at most {self.limit} chaos orders per "
-                                     f"{self.window_s:.0f} s; try again later")
-        self._calls.append(now)

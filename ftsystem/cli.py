@@ -102,7 +102,6 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
                ) -> None:
     """Run a controller instance: leader election, membership epochs, REST API, /metrics.
     Mutating requests need FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), unless --insecure."""
-    from controller.auth import AuthConfigError
     from controller.main import serve
     from ftsystem.addresses import default_advertise_address
     from ftsystem.store import parse_endpoints
@@ -118,7 +117,7 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
         serve(etcd=etcd, job=job, port=port, bind=host or bind,
               advertise_address=host or advertise_address or default_advertise_address(),
               instance_id=instance_id, min_replicas=min_replicas, insecure=insecure)
-    except (StoreError, AuthConfigError) as e:
+    except (StoreError, ValueError) as e:  # AuthConfigError, a malformed FTSYSTEM_CHAOS_RATE
         raise _fail(str(e))
 
 
@@ -293,28 +292,35 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
                 etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
                 job: str = typer.Option(..., envvar=ENV_JOB, help="job id")) -> None:
     """Validate chaos specs (one or several YAML documents) and store their orders directly in
-    etcd. This bypasses the controller's API, its token and its rate limit: it needs etcd
-    credentials. Through the API: POST /v1/jobs/{job}/chaos with the bearer token."""
+    etcd. This bypasses the controller's API and its token: it needs etcd credentials. The
+    validation and the rate limit (FTSYSTEM_CHAOS_RATE) are the API's. Through the API: POST
+    /v1/jobs/{job}/chaos with the bearer token."""
     import asyncio
     import time
+    from ftsystem import chaos_rate
     from ftsystem.chaos import ChaosSpecError, parse_specs, submit
     from ftsystem.store import Store, StoreError
     _check_id("job", job)
+    try:
+        limit, window_s = chaos_rate.configured_rate()
+    except ValueError as e:
+        raise _fail(str(e))
     try:
         specs = parse_specs(spec_file.read_text())
     except (OSError, ChaosSpecError) as e:
         raise _fail(f"{spec_file}: {e}; nothing was stored")
     typer.secho("note: chaos apply writes to etcd directly, bypassing the controller's API "
-                "(its token and rate limit); it needs etcd credentials. With a controller "
-                "running, prefer POST /v1/jobs/<job>/chaos.", err=True, fg=typer.colors.YELLOW)
+                "and its token; it needs etcd credentials. With a controller running, prefer "
+                "POST /v1/jobs/<job>/chaos.", err=True, fg=typer.colors.YELLOW)
 
     async def store_orders():
         async with Store(etcd) as store:
+            await chaos_rate.take(store, job, limit, window_s)
             return await submit(store, job, specs, f"cli-{int(time.time() * 1000)}",
                                 now=time.time())
     try:
         orders = asyncio.run(store_orders())
-    except (StoreError, ChaosSpecError) as e:
+    except (StoreError, ChaosSpecError, chaos_rate.ChaosRateError) as e:
         raise _fail(f"{e}; nothing was stored")
     for order in orders:
         typer.echo(f"{order.id}\t{order.action}\t{order.replica}\tat {order.at:.1f}")

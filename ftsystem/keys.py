@@ -119,6 +119,16 @@ def chaos_orders(job_id: str) -> str:
     return f"{job(job_id)}/chaos/"
 
 
+def chaos_submissions(job_id: str) -> str:
+    """Recent chaos submissions, each on a lease of the rate limit's window
+    (``ftsystem.chaos_rate``)."""
+    return f"{job(job_id)}/chaos-rate/"
+
+
+def chaos_submission(job_id: str, submission_id: str) -> str:
+    return chaos_submissions(job_id) + submission_id
+
+
 def chaos(job_id: str, order_id: str) -> str:
     return chaos_orders(job_id) + order_id
 
