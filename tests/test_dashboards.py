@@ -95,6 +95,9 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
     try:
         wait_for(lambda: _components_up(prom, job_id) >= COMPONENTS, 60,
                  "Prometheus to scrape the controller, the agents and the replicas")
+        targets = httpx.get(f"{prom}/api/v1/targets").json()["data"]["activeTargets"]
+        replicas = [t["labels"] for t in targets if t["labels"].get("component") == "replica"]
+        assert {(t["replica"], t["rank"]) for t in replicas} <= {("r0", "0"), ("r1", "0")}
         runner.join(120)
         assert summaries, "the job did not end in time"
         assert len(summaries[0]["failures"]) == 1, summaries[0]["failures"]
