@@ -7,28 +7,33 @@ Donor side (every replica can donate):
   next ``optimizer.step()``, which is the only thing that mutates that state, and the training
   thread waits for it only if it reaches the next ``optimizer.step()`` first (the CPU analogue
   of an asynchronous device-to-host copy on a side stream, joined by an event).
-- The snapshot is served through torchft's ``HTTPTransport``.
+- The snapshot goes out as raw tensor bytes (:func:`encode_state`): a small header, the
+  non-tensor rest of the state, then every tensor's storage as it lies in memory, written
+  straight from it to the socket (no pickling, no intermediate buffer). ``sendall`` releases
+  the GIL, so serving costs the donor's training thread nothing but memory bandwidth.
 - :class:`UpdateLog` keeps the averaged gradient of each committed step (the exact input of
   the replica's step function; replaying it on the snapshot reproduces the donor's state bit
   for bit), with the commit chain around it and the loop-advanced objects' states after it.
   It always keeps the last few steps (for step reconciliation at epoch entry); while a
   catch-up session is active it keeps everything within a memory budget, dropping the oldest
   (a joiner that needs a dropped step fetches a newer snapshot).
-- :class:`StateServer` answers ``/snapshot`` (take one, return its step and address) and
+- :class:`StateServer` answers ``/snapshot`` (take one and stream it) and
   ``/log?after=STEP``, and reports itself at ``/status``. A session ends when nobody has
   asked for ``FTSYSTEM_CATCHUP_IDLE_S`` (10 s): a recovering replica that died no longer
   holds the donor's memory.
 
-Joiner side: :func:`fetch_snapshot` and :func:`fetch_log`; the replay loop is in
-``ftsystem.hsdp``.
+Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into tensors allocated
+from the header (``recv_into``); :func:`fetch_log`; the replay loop is in ``ftsystem.hsdp``.
 """
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import logging
 import os
+import struct
 import sys
 import threading
 import time
@@ -36,13 +41,11 @@ import urllib.error
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 from urllib.parse import parse_qs, urlparse
 
 import torch
-from torchft.checkpointing.http_transport import HTTPTransport
 
 from ftsystem.devices import cuda_device_of, use_device
 
@@ -164,22 +167,16 @@ class UpdateLog:
 
 
 class Snapshotter:
-    """Host copies of (model, optimizer) state taken between commits, served over HTTP."""
+    """Host copies of (model, optimizer) state taken between commits, served raw."""
 
-    def __init__(self, state_fn: Callable[[], dict], host: str, timeout_s: float) -> None:
-        self._state_fn, self._host, self._timeout = state_fn, host, timedelta(seconds=timeout_s)
-        self._transport: HTTPTransport | None = None
+    def __init__(self, state_fn: Callable[[], dict]) -> None:
+        self._state_fn = state_fn
         self._requested = threading.Event()
         self._at_step: int | None = None
         self._ready = threading.Condition()
         self._copying: threading.Thread | None = None
+        self._encoded: EncodedState | None = None
         self.step = -1  # step of the snapshot being served, -1: none
-
-    @property
-    def address(self) -> str:
-        """Where torchft's transport serves the snapshot (our host: it names the machine's)."""
-        url = urlparse(self._transport.metadata())
-        return url._replace(netloc=f"{self._host}:{url.port}").geturl()
 
     def request(self, at_step: int | None = None) -> None:
         """Take a snapshot after the next commit, or after committing ``at_step`` exactly
@@ -208,12 +205,9 @@ class Snapshotter:
     def _copy(self, step: int, state: dict) -> None:
         # This thread starts on cuda:0: the copy's streams belong on the state's GPU.
         use_device(cuda_device_of(tree_tensors(state)))
-        copy = host_copy(state)
-        if self._transport is None:
-            self._transport = HTTPTransport(self._timeout, num_chunks=0)
-        self._transport.send_checkpoint([], step, copy, self._timeout)
+        encoded = encode_state(step, host_copy(state))
         with self._ready:
-            self.step = step
+            self.step, self._encoded = step, encoded
             self._ready.notify_all()
 
     def wait_newer(self, than: int, timeout_s: float) -> int:
@@ -221,16 +215,91 @@ class Snapshotter:
             self._ready.wait_for(lambda: self.step > than, timeout_s)
             return self.step
 
-    def free(self) -> None:
-        """Stop serving the snapshot and release it (with the transport that holds it)."""
+    def taken(self, step: int) -> EncodedState | None:
+        """The snapshot of ``step`` if it is still held (a reference: freeing it later does
+        not cut a transfer short)."""
         with self._ready:
-            self.step = -1
-            transport, self._transport = self._transport, None
-        if transport is not None:
-            transport.shutdown(wait=False)
+            return self._encoded if self.step == step else None
+
+    def free(self) -> None:
+        """Stop serving the snapshot and release it (a transfer in flight keeps its copy)."""
+        with self._ready:
+            self.step, self._encoded = -1, None
 
     def shutdown(self) -> None:
         self.free()
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedState:
+    """A state (a snapshot, a piece of the log) as it goes on the wire: ``prefix`` (header and
+    the state's non-tensor rest), then each of ``tensors``' bytes in order."""
+
+    prefix: bytes
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.prefix) + sum(t.nbytes for t in self.tensors)
+
+    def write_to(self, out: BinaryIO) -> None:
+        """Write it all; each tensor is written from its own memory (``sendall`` on a socket)."""
+        out.write(self.prefix)
+        for tensor in self.tensors:
+            raw = as_bytes(tensor)
+            for start in range(0, len(raw), WIRE_CHUNK_BYTES):
+                out.write(raw[start:start + WIRE_CHUNK_BYTES])
+
+
+WIRE_CHUNK_BYTES = 64 << 20
+"""Largest single write or read of tensor bytes (a bound on one call's blocking, not a copy)."""
+_LENGTH = struct.Struct("!Q")
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (any dtype, bfloat16 included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_state(step: int, state: Any) -> EncodedState:
+    """``state`` of ``step`` ready to send: its tensors (made contiguous) travel as raw bytes, and what is
+    left (the tree with a meta tensor of each one's shape and dtype in its place, and the
+    non-tensor values) is small enough to go through ``torch.save``."""
+    tensors: list[torch.Tensor] = []
+
+    def take(tensor: torch.Tensor) -> torch.Tensor:
+        tensors.append(tensor.detach().cpu().contiguous())
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    skeleton = io.BytesIO()
+    torch.save(map_tensors(state, take), skeleton)
+    header = json.dumps({"step": step, "skeleton_bytes": skeleton.tell(),
+                         "tensor_bytes": [t.nbytes for t in tensors]}).encode()
+    return EncodedState(_LENGTH.pack(len(header)) + header + skeleton.getvalue(), tensors)
+
+
+def decode_state(read_into: Callable[[memoryview], None]) -> tuple[int, Any]:
+    """(step, state) of an encoded state, read by ``read_into`` (which fills the whole
+    buffer it is given): each tensor's bytes land directly in a tensor allocated for them."""
+    length = bytearray(_LENGTH.size)
+    read_into(memoryview(length))
+    header_bytes = bytearray(_LENGTH.unpack(length)[0])
+    read_into(memoryview(header_bytes))
+    header = json.loads(header_bytes)
+    skeleton_bytes = bytearray(header["skeleton_bytes"])
+    read_into(memoryview(skeleton_bytes))
+    skeleton = torch.load(io.BytesIO(skeleton_bytes), weights_only=True)
+    sizes = iter(header["tensor_bytes"])
+
+    def fill(meta: torch.Tensor) -> torch.Tensor:
+        tensor = torch.empty(meta.shape, dtype=meta.dtype)
+        raw = as_bytes(tensor)
+        if len(raw) != next(sizes):
+            raise DonorUnavailableError("the state's header does not match its tensors")
+        for start in range(0, len(raw), WIRE_CHUNK_BYTES):
+            read_into(raw[start:start + WIRE_CHUNK_BYTES])
+        return tensor
+    return header["step"], map_tensors(skeleton, fill)
 
 
 def host_copy(tree: Any) -> Any:
@@ -241,7 +310,7 @@ def host_copy(tree: Any) -> Any:
     and this (side) thread waits for the copies alone. CPU tensors are cloned.
     """
     if not any(t.is_cuda for t in tree_tensors(tree)):
-        return map_tensors(tree, lambda t: t.detach().clone())
+        return map_tensors(tree, _cpu_copy)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -250,9 +319,14 @@ def host_copy(tree: Any) -> Any:
     return copy
 
 
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    # contiguous: the copy goes on the wire as it lies in memory
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_cuda:
-        return tensor.detach().clone()
+        return _cpu_copy(tensor)
     host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
     return host.copy_(tensor.detach(), non_blocking=True)
 
@@ -331,7 +405,7 @@ class StateServer:
         if step < 0:
             request.send_error(503, "no snapshot within the timeout (is this replica training?)")
             return
-        _reply(request, json.dumps({"step": step, "address": self.snapshotter.address}).encode())
+        self._stream(request, step)
 
     def _serve_snapshot_of(self, request: BaseHTTPRequestHandler, step: int) -> None:
         """A snapshot taken right after committing ``step`` (which is still to come)."""
@@ -344,7 +418,22 @@ class StateServer:
         if taken != step:
             request.send_error(409, f"took a snapshot of step {taken}, not {step}")
             return
-        _reply(request, json.dumps({"step": step, "address": self.snapshotter.address}).encode())
+        self._stream(request, step)
+
+    def _stream(self, request: BaseHTTPRequestHandler, step: int) -> None:
+        encoded = self.snapshotter.taken(step)
+        if encoded is None:
+            request.send_error(503, f"the snapshot of step {step} was freed; ask again")
+            return
+        self._send(request, encoded)
+
+    def _send(self, request: BaseHTTPRequestHandler, encoded: EncodedState) -> None:
+        request.send_response(200)
+        request.send_header("Content-Length", str(encoded.nbytes))
+        request.end_headers()
+        encoded.write_to(request.wfile)
+        self.bytes_served += encoded.nbytes
+        self._last_request = time.monotonic()  # a long transfer is not an idle session
 
     def _serve_log(self, request: BaseHTTPRequestHandler, after: int) -> None:
         entries = self.update_log.since(after)
@@ -352,13 +441,10 @@ class StateServer:
             self.snapshotter.free()  # the joiner will ask for a newer one
             request.send_error(410, f"updates after step {after} were dropped; fetch a snapshot")
             return
-        buf = io.BytesIO()
-        torch.save({"steps": [s for s, _ in entries], "updates": [u.grad for _, u in entries],
-                    "parents": [u.parent for _, u in entries],
-                    "chains": [u.chain for _, u in entries],
-                    "carries": [u.carry for _, u in entries], "head": self._current_step()}, buf)
-        self.bytes_served += buf.tell()
-        _reply(request, buf.getvalue())
+        self._send(request, encode_state(self._current_step(), {
+            "steps": [s for s, _ in entries], "updates": [u.grad for _, u in entries],
+            "parents": [u.parent for _, u in entries], "chains": [u.chain for _, u in entries],
+            "carries": [u.carry for _, u in entries]}))
 
     def _expire_sessions(self) -> None:
         while True:
@@ -388,22 +474,61 @@ def _get(url: str, timeout_s: float) -> bytes:
         raise DonorUnavailableError(f"{url}: {e}") from e
 
 
-def fetch_snapshot(donor_addr: str, timeout_s: float, at_step: int | None = None
-                   ) -> tuple[int, dict, int]:
-    """Ask the donor for a snapshot (of step ``at_step``, still to come, if given); returns
-    (step, state, bytes) once transferred."""
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A donor's state as a joiner received it."""
+
+    step: int
+    state: dict
+    nbytes: int
+    transfer_s: float
+    """From the donor's first byte to its last: the wire, not the wait for a snapshot."""
+
+    def stats(self) -> dict:
+        """What a joiner reports of it (``catchup`` in its result)."""
+        return {"snapshot_step": self.step, "snapshot_bytes": self.nbytes,
+                "transfer_s": self.transfer_s,
+                "transfer_bytes_per_s": self.nbytes / self.transfer_s if self.transfer_s else None}
+
+
+def fetch_snapshot(donor_addr: str, timeout_s: float, at_step: int | None = None) -> Snapshot:
+    """Ask the donor for a snapshot (of step ``at_step``, still to come, if given) and receive
+    it; ``timeout_s`` bounds the wait for the snapshot and each read of it."""
     query = "" if at_step is None else f"?step={at_step}"
-    info = json.loads(_get(f"http://{donor_addr}/snapshot{query}", timeout_s))
-    transport = HTTPTransport(timedelta(seconds=timeout_s), num_chunks=0)
+    return Snapshot(*_fetch_state(donor_addr, f"/snapshot{query}", timeout_s))
+
+
+def _fetch_state(donor_addr: str, path: str, timeout_s: float, gone: int | None = None
+                 ) -> tuple[int, Any, int, float] | None:
+    """GET an encoded state: (its step, the state, bytes, seconds from its first byte to its
+    last); None if the donor answers with the status ``gone``."""
+    host, _, port = donor_addr.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        state = transport.recv_checkpoint(0, info["address"], info["step"],
-                                          timedelta(seconds=timeout_s))
-    except Exception as e:  # torchft raises whatever urllib raised
-        raise DonorUnavailableError(f"snapshot transfer from {donor_addr} failed: {e}") from e
+        connection.request("GET", path)
+        response = connection.getresponse()
+        if response.status == gone:
+            return None
+        if response.status != 200:
+            raise DonorUnavailableError(f"{donor_addr}{path}: {response.status} "
+                                        f"{response.reason}")
+        started = time.monotonic()
+        step, state = decode_state(lambda buffer: _read_exactly(response, buffer))
+        return (step, state, int(response.getheader("Content-Length")),
+                time.monotonic() - started)
+    except (OSError, http.client.HTTPException) as e:
+        raise DonorUnavailableError(f"{donor_addr}{path} failed: {e}") from e
     finally:
-        transport.shutdown(wait=False)
-    nbytes = sum(t.numel() * t.element_size() for t in tree_tensors(state))
-    return info["step"], state, nbytes
+        connection.close()
+
+
+def _read_exactly(response: http.client.HTTPResponse, buffer: memoryview) -> None:
+    filled = 0
+    while filled < len(buffer):
+        n = response.readinto(buffer[filled:])
+        if not n:
+            raise DonorUnavailableError("the donor closed the connection mid-transfer")
+        filled += n
 
 
 def fetch_head(donor_addr: str, timeout_s: float) -> int:
@@ -414,17 +539,13 @@ def fetch_head(donor_addr: str, timeout_s: float) -> int:
 def fetch_log(donor_addr: str, after: int, timeout_s: float
               ) -> tuple[list[tuple[int, LoggedUpdate]], int, int] | None:
     """Updates after ``after``, the donor's head step and the bytes moved; None if dropped."""
-    try:
-        body = _get(f"http://{donor_addr}/log?after={after}", timeout_s)
-    except DonorUnavailableError as e:
-        if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 410:
-            return None
-        raise
-    # On the host: the donor's device numbering need not exist here (replay copies them over).
-    data = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
+    fetched = _fetch_state(donor_addr, f"/log?after={after}", timeout_s, gone=410)
+    if fetched is None:
+        return None
+    head, data, nbytes, _ = fetched
     updates = [LoggedUpdate(*fields) for fields in
                zip(data["updates"], data["parents"], data["chains"], data["carries"])]
-    return list(zip(data["steps"], updates)), data["head"], len(body)
+    return list(zip(data["steps"], updates)), head, nbytes
 
 
 def tree_tensors(tree: Any):

@@ -209,7 +209,7 @@ class FTReplica:
         """Commits whose gradients went out in buckets during backward."""
         # Catch-up material this replica can donate, and what it learnt catching up itself.
         self.update_log = UpdateLog(_env_int(ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES))
-        self.snapshotter = Snapshotter(self._state, self.ctx.host, self.ctx.timeout_s)
+        self.snapshotter = Snapshotter(self._state)
         self.state_server = StateServer(
             self.ctx.host, self.snapshotter, self.update_log, lambda: self.step,
             self.ctx.timeout_s, before_serving=lambda: self.faults.check(self.step, "donate"))
@@ -822,11 +822,11 @@ class FTReplica:
             try:
                 head = self._replay_from(addr)
                 if head is None:  # no snapshot yet, or the log moved past us
-                    step, state, nbytes = fetch_snapshot(addr, self.ctx.timeout_s)
-                    self._load(state)
+                    snapshot = fetch_snapshot(addr, self.ctx.timeout_s)
+                    self._load(snapshot.state)
                     self._fresh = False
-                    stats.update(bytes=stats["bytes"] + nbytes, snapshot_step=step)
-                    metrics.CATCHUP_BYTES.labels(*self._labels).inc(nbytes)
+                    stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
+                    metrics.CATCHUP_BYTES.labels(*self._labels).inc(snapshot.nbytes)
                     time.sleep(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
                     head = self._replay_from(addr)
             except DonorUnavailableError as e:
@@ -867,8 +867,9 @@ class FTReplica:
         target = self.replica.max(head) + SNAPSHOT_LEAD  # every rank, whatever happened
         try:
             if head >= 0:
-                step, state, stats["bytes"] = fetch_snapshot(addr, self.ctx.timeout_s,
-                                                             at_step=target)
+                snapshot = fetch_snapshot(addr, self.ctx.timeout_s, at_step=target)
+                step, state, stats["bytes"] = snapshot.step, snapshot.state, snapshot.nbytes
+                stats.update(snapshot.stats())
         except DonorUnavailableError as e:
             log.warning("replica %s rank %d: no snapshot of step %d from %s (%s)",
                         self.ctx.replica_id, self.ctx.rank, target, donor, e)

@@ -14,7 +14,9 @@ import torch
 
 from conftest import wait_for
 from ftsystem import keys
-from ftsystem.catchup import KEEP_MIN_ENTRIES, LoggedUpdate, UpdateLog
+from ftsystem.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, LoggedUpdate,
+                              Snapshotter, StateServer, UpdateLog, fetch_log, fetch_snapshot,
+                              tree_tensors)
 from ftsystem.fingerprint import GENESIS
 from ftsystem.faults import FaultPoint
 from ftsystem.launcher import ReplicaKill, RunConfig, run_job
@@ -36,6 +38,53 @@ def test_update_log_keeps_a_window_and_a_budget():
     for step in range(21, 41):
         log.append(step, entry)
     assert log.oldest() == 31 and log.nbytes == 10 * 1024  # the budget, oldest dropped
+
+
+def _served_state() -> dict:
+    # Every kind of tensor a state holds: float and bfloat16 parameters, a non-contiguous
+    # one, 0-d step counters, an empty one; bytes and plain values beside them.
+    return {"model": {"w": torch.randn(1000, 300), "t": torch.randn(30, 20).t(),
+                      "h": torch.randn(64).bfloat16(), "e": torch.empty(0)},
+            "optim": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(1000, 300)}},
+            "hyper": [{"lr": 1e-3, "betas": (0.9, 0.999)}], "step": 12,
+            "chain": b"\x01" * 32, "carry": b"", "objects": {"sched": {"last_epoch": 3}}}
+
+
+def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
+    state, log = _served_state(), UpdateLog()
+    snapshotter = Snapshotter(lambda: state)
+    server = StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 12, timeout_s=10)
+    try:
+        stop = threading.Event()
+
+        def train() -> None:  # commits step 12 over and over; the copy starts after one
+            while not stop.wait(0.01):
+                snapshotter.after_commit(12)
+        threading.Thread(target=train, daemon=True).start()
+        snapshot = fetch_snapshot(server.address, 10)
+        stop.set()
+        assert snapshot.step == 12 and snapshot.nbytes > 2 * 1000 * 300 * 4
+        assert snapshot.stats()["transfer_bytes_per_s"] > 0
+        sent, got = list(tree_tensors(state)), list(tree_tensors(snapshot.state))
+        assert [(t.dtype, t.shape) for t in sent] == [(t.dtype, t.shape) for t in got]
+        assert all(torch.equal(a, b) for a, b in zip(sent, got))
+        assert {k: snapshot.state[k] for k in ("hyper", "step", "chain", "carry", "objects")} \
+            == {k: state[k] for k in ("hyper", "step", "chain", "carry", "objects")}
+
+        grads = [torch.randn(5000) for _ in range(KEEP_MIN_ENTRIES + 2)]
+        for step, grad in enumerate(grads, start=13):
+            log.append(step, LoggedUpdate(grad, parent=b"p%d" % step, chain=b"c%d" % step))
+        updates, head, nbytes = fetch_log(server.address, 14, 10)
+        assert head == 12 and nbytes > 4 * 5000 * len(updates)  # head: current_step's answer
+        assert [s for s, _ in updates] == list(range(15, 13 + len(grads)))
+        assert all(torch.equal(u.grad, grads[s - 13]) and u.chain == b"c%d" % s
+                   for s, u in updates)
+        assert fetch_log(server.address, 1, 10) is None  # dropped: fetch a snapshot
+        assert snapshotter.step == -1  # and the old snapshot was freed for a newer one
+        with pytest.raises(DonorUnavailableError, match="409"):
+            fetch_snapshot(server.address, 10, at_step=5)  # committed already
+    finally:
+        server.shutdown()
 
 
 def _kill(cfg_kills: list[tuple[int, int, str]]) -> list[ReplicaKill]:

@@ -2,8 +2,8 @@
 
 For each model size, the same scenario on three systems in one invocation: two members train;
 a third replica is launched mid-run and joins. Measured: the members' stall (their longest
-inter-commit gap from the joiner's launch to its first commit, minus their normal step time)
-and the joiner's time from launch to its first commit.
+inter-commit gap from the joiner's launch to its first commit, minus their normal step time),
+the joiner's time from launch to its first commit, and the rate of its state transfer.
 
 - ``ftsystem``: non-blocking catch-up (snapshot + update log from a donor, then a join epoch);
 - ``blocking``: the first issue's join: the whole state is broadcast inside the join epoch;
@@ -14,17 +14,31 @@ run on hosts of their own; here three share two cores, and a joiner importing to
 building its model would otherwise slow the members' compute by up to half, a cost of this
 machine, not of any join protocol. What is left is the join's own cost: the donor serving its
 state, the members' reconfiguration, the transfer inside the step (torchft).
+
+Transfer rates: ftsystem's joiner times its snapshot from the donor's first byte to its last
+(``catchup.Snapshot``); torchft's joiner logs how long its ``HTTPTransport`` took to fetch and
+load the checkpoint, for the same model and AdamW state. Neither includes waiting for the donor
+to take its copy. ``blocking`` sends its state inside the join epoch's collective: not timed on
+its own (null). The wire's own rate, ``loopback_bytes_per_s``, is measured once per round by
+:func:`loopback_rate`.
+
+``--rounds N`` runs every size N times, the order of the systems alternated per round; each
+figure is reported as its median and min/max over the rounds.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import re
+import socket
+import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -38,7 +52,54 @@ WARMUP_STEPS = 5
 BATCH_SIZE, LR = 8, 1e-3  # torchft_replica's, so that both train the same thing
 # (steps, emulated compute per step) per model size: enough steps to outlast the join.
 JOINER_NICENESS = 19
-PLANS = {1_000_000: (200, 0.05), 10_000_000: (60, 0.0), 100_000_000: (24, 0.0)}
+PLANS = {1_000_000: (200, 0.05), 10_000_000: (60, 0.0), 100_000_000: (18, 0.0)}
+QUICK_PLAN = {1_000_000: (60, 0.05)}
+"""``--quick``: a smoke run of the wiring and the JSON, not figures."""
+SYSTEMS = ("ftsystem", "blocking", "torchft")
+LOOPBACK_BYTES, LOOPBACK_CHUNK, LOOPBACK_TRIES = 1 << 30, 64 << 20, 3
+QUICK_LOOPBACK = (256 << 20, 1)
+TARGETS = {"transfer_bytes_per_s": "ftsystem >= 1e9 and >= 0.2 x loopback at 100M",
+           "join_stall_s": "ftsystem <= torchft at every size",
+           "time_to_join_s": "ftsystem <= torchft at 100M"}
+FIGURES = {"join_stall_s": "join_stall_s", "time_to_join_s": "time_to_join_s",
+           "transfer_bytes_per_s": "transfer_bytes_per_s", "step_s": "step_s"}
+"""What each run gives, reported over the rounds (see ``report.per_round``)."""
+# torchft's HTTPTransport logs "fetching checkpoint from <url> took <seconds>s".
+TORCHFT_FETCH = re.compile(r"fetching checkpoint from \S+ took ([0-9.e-]+)s")
+
+
+def loopback_rate(total_bytes: int = LOOPBACK_BYTES, tries: int = LOOPBACK_TRIES) -> float:
+    """Bytes/s of one TCP stream on 127.0.0.1, the median of a few tries.
+
+    A forked sender process ``sendall()``s a 64 MiB buffer until ``total_bytes`` are sent;
+    this process ``recv_into()``s one reused 64 MiB buffer; the rate is the bytes over the
+    time from connecting to the last byte. Both buffers are reused: the wire, not page faults.
+    """
+    rates = []
+    for _ in range(tries):
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            sender = multiprocessing.get_context("fork").Process(
+                target=_send_zeros, args=(server.getsockname()[1], total_bytes), daemon=True)
+            sender.start()
+            buffer = memoryview(bytearray(LOOPBACK_CHUNK))
+            started, received = time.monotonic(), 0
+            connection, _ = server.accept()
+            with connection:
+                while received < total_bytes:
+                    got = connection.recv_into(buffer)
+                    if not got:
+                        raise RuntimeError("the loopback sender stopped early")
+                    received += got
+            rates.append(received / (time.monotonic() - started))
+            sender.join()
+    return statistics.median(rates)
+
+
+def _send_zeros(port: int, total_bytes: int) -> None:
+    buffer = memoryview(bytearray(LOOPBACK_CHUNK))
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        for _ in range(total_bytes // LOOPBACK_CHUNK):
+            connection.sendall(buffer)
 
 
 def _members_step(etcd: str, job: str) -> int:
@@ -53,28 +114,55 @@ def _members_step(etcd: str, job: str) -> int:
     return asyncio.run(read())
 
 
+def _admit(etcd: str, job: str, replica: str) -> None:
+    """Add ``replica`` to the job's spec, as an operator scaling the job up would: agents of
+    replicas the spec does not list are refused."""
+    import asyncio
+    from ftsystem import keys
+
+    async def write() -> None:
+        async with Store(etcd) as store:
+            spec = await store.get_json(keys.spec(job))
+            await store.put_json(keys.spec(job), spec | {
+                "replica_ids": [*spec["replica_ids"], replica]})
+    asyncio.run(write())
+
+
 def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: Path) -> dict:
     """Two members via ``run_job``; a third agent launched once they are warm."""
     os.environ["FTSYSTEM_CATCHUP"] = mode  # inherited by every replica
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
                   "--lr", str(LR), "--sleep-per-step", str(sleep), "--loop", "plain"]
-    with EmbeddedEtcd(data_dir=workdir / "etcd") as etcd:
-        cfg = RunConfig(num_replicas=2, num_steps=steps, etcd=etcd.url, job="rejoin",
-                        out_dir=workdir / "run", train_args=train_args, show_progress=False)
-        runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
-        runner.start()
-        while _members_step(etcd.url, cfg.job) < WARMUP_STEPS:
-            time.sleep(0.1)
-        launched = time.time()
-        extra = ProcessGroup(cfg.out_dir)
-        joiner = extra.start("agent-r2", ["nice", "-n", str(JOINER_NICENESS),
-                                          *agent_command(cfg, etcd.url, 2)])
-        joiner.wait()
-        runner.join()
+    try:
+        with EmbeddedEtcd(data_dir=workdir / "etcd") as etcd:
+            cfg = RunConfig(num_replicas=2, num_steps=steps, etcd=etcd.url, job="rejoin",
+                            out_dir=workdir / "run", train_args=train_args,
+                            show_progress=False)
+            runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
+            runner.start()
+            while _members_step(etcd.url, cfg.job) < WARMUP_STEPS:
+                time.sleep(0.1)
+            _admit(etcd.url, cfg.job, "r2")
+            launched = time.time()
+            extra = ProcessGroup(cfg.out_dir)
+            joiner = extra.start("agent-r2", ["nice", "-n", str(JOINER_NICENESS),
+                                              *agent_command(cfg, etcd.url, 2)])
+            joiner.wait()
+            runner.join()
+    finally:
+        os.environ.pop("FTSYSTEM_CATCHUP", None)
     results = {p.stem: json.loads(p.read_text())
                for p in (cfg.out_dir / "results").glob("*.json")}
+    if "r2" not in results:
+        tail = (cfg.out_dir / "agent-r2.log").read_text().splitlines()[-5:]
+        raise RuntimeError("the joiner wrote no result; its agent's log ends with:\n"
+                           + "\n".join(tail))
+    catchup = results["r2"]["catchup"]
     return _measure({r: results[r]["commits"] for r in ("r0", "r1")},
-                    results["r2"]["commits"], launched) | {"catchup": results["r2"]["catchup"]}
+                    results["r2"]["commits"], launched) | {
+        "catchup": catchup, "transfer_bytes_per_s": catchup.get("transfer_bytes_per_s"),
+        **({} if mode != "blocking" else
+           {"transfer_note": "sent inside the join epoch's state sync: not timed apart"})}
 
 
 def run_torchft(*, params: int, steps: int, sleep: float, workdir: Path) -> dict:
@@ -84,8 +172,30 @@ def run_torchft(*, params: int, steps: int, sleep: float, workdir: Path) -> dict
                              joiner_niceness=JOINER_NICENESS)
     by_index = {int(r["replica"]): r for r in out["results"]}
     members = {str(i): by_index[i]["commits"] for i in (0, 1)}
+    fetch_s = _torchft_fetch_s(workdir)
+    nbytes = state_bytes(params)
     return _measure(members, by_index[2]["commits"], out["join_started"]) | {
-        "crashed": out["crashed"]}
+        "crashed": out["crashed"], "transfer_s": fetch_s, "transfer_bytes": nbytes,
+        "transfer_bytes_per_s": nbytes / fetch_s if fetch_s else None}
+
+
+def _torchft_fetch_s(workdir: Path) -> float | None:
+    """How long the joiner's healing fetch took, from its log (None: it did not heal)."""
+    for path in workdir.rglob("replica2_gen*.log"):
+        if found := TORCHFT_FETCH.findall(path.read_text(errors="replace")):
+            return float(found[0])
+    return None
+
+
+def state_bytes(params: int) -> int:
+    """Bytes of the tensors a joiner receives with both baselines' workload: the model's
+    parameters and AdamW's two moments (its step counters are left out: a few bytes)."""
+    import torch
+
+    from ftsystem.workload import ModelConfig, TinyGPT
+    with torch.device("meta"):
+        model = TinyGPT(ModelConfig.for_params(params))
+    return 3 * sum(p.nbytes for p in model.parameters())
 
 
 def _measure(members: dict, joiner_commits: list, launched: float) -> dict:
@@ -99,36 +209,89 @@ def _measure(members: dict, joiner_commits: list, launched: float) -> dict:
                                           for tl in members.values()])["median"]}
 
 
+def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Path) -> dict:
+    if name == "torchft":
+        return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir)
+    return run_ftsystem(params=params, steps=steps, sleep=sleep, workdir=workdir,
+                        mode="nonblocking" if name == "ftsystem" else "blocking")
+
+
+def run_rounds(systems: list[str], plans: dict[int, tuple[int, float]], rounds: int,
+               root: Path, loopback: tuple[int, int] = (LOOPBACK_BYTES, LOOPBACK_TRIES),
+               after_round: Callable[[list[dict], dict], None] = lambda *_: None
+               ) -> tuple[list[dict], dict[int, dict[str, list[dict]]]]:
+    """Every size on every system, ``rounds`` times, the order alternated per round: each
+    round's loopback measurement, and each size's runs per system in round order.
+    ``after_round`` sees them after every round (a long run keeps what it measured)."""
+    loopbacks, runs = [], {params: {name: [] for name in systems} for params in plans}
+    for r in range(rounds):
+        loopbacks.append({"round": r, "loopback_bytes_per_s": loopback_rate(*loopback)})
+        for params, (steps, sleep) in plans.items():
+            for name in report.round_order(systems, r):
+                typer.echo(f"round {r + 1}/{rounds}: {params:,} parameters, {name} ...",
+                           err=True)
+                runs[params][name].append(run_system(
+                    name, params=params, steps=steps, sleep=sleep,
+                    workdir=root / f"round{r}" / f"{name}-{params}") | {"round": r})
+        after_round(loopbacks, runs)
+    return loopbacks, runs
+
+
+def summarize(loopbacks: list[dict], runs: dict[int, dict[str, list[dict]]]) -> dict:
+    """The JSON's figures (pure): per size and system, each figure's spread over the rounds,
+    and every run in full."""
+    sizes = [{"params": params, **{name: {**report.per_round(system_runs, FIGURES),
+                                          "rounds": system_runs}
+                                   for name, system_runs in by_system.items()}}
+             for params, by_system in runs.items()]
+    return {"sizes": sizes, "loopback_bytes_per_s": report.spread(
+                [lb["loopback_bytes_per_s"] for lb in loopbacks]) | {"rounds": loopbacks}}
+
+
+def _rows(summary: dict) -> list[tuple]:
+    def cell(figure: dict, scale: float = 1.0, digits: int = 2) -> str:
+        if figure["median"] is None:
+            return "-"
+        return (f"{figure['median'] / scale:.{digits}f} "
+                f"[{figure['min'] / scale:.{digits}f}, {figure['max'] / scale:.{digits}f}]")
+    loopback = cell(summary["loopback_bytes_per_s"], 1e9)
+    return [(size["params"], name, cell(r["step_s"]), cell(r["join_stall_s"]),
+             cell(r["time_to_join_s"]), cell(r["transfer_bytes_per_s"], 1e9), loopback)
+            for size in summary["sizes"] for name, r in size.items() if isinstance(r, dict)]
+
+
 @bench_app.command("rejoin")
 def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write results here"),
-           quick: bool = typer.Option(False, help="1M and 10M parameters only (about 2 min)"),
+           quick: bool = typer.Option(False, help="one 1M-parameter round, fewer steps: a "
+                                      "smoke run of the wiring (about a minute per system)"),
+           rounds: int = typer.Option(2, min=1, help="runs of every size and system, the "
+                                      "order of the systems alternated per round"),
+           systems: str = typer.Option(",".join(SYSTEMS), help="comma-separated, of "
+                                       + ", ".join(SYSTEMS)),
            skip_torchft: bool = typer.Option(False, help="run ftsystem and blocking only")
            ) -> None:
-    """Members' stall and joiner's time to join, ftsystem vs blocking vs torchft 0.2.0."""
-    sizes = [s for s in PLANS if not quick or s < 100_000_000]
-    rows, entries = [], []
+    """Members' stall, joiner's time to join and transfer rate: ftsystem vs blocking vs
+    torchft 0.2.0, with the machine's loopback rate beside."""
+    chosen = [name.strip() for name in systems.split(",") if name.strip()]
+    if unknown := sorted(set(chosen) - set(SYSTEMS)):
+        raise typer.BadParameter(f"unknown system(s) {', '.join(unknown)}: pick from "
+                                 f"{', '.join(SYSTEMS)}", param_hint="--systems")
+    chosen = [name for name in chosen if not (skip_torchft and name == "torchft")]
+    plans, rounds = (QUICK_PLAN, 1) if quick else (PLANS, rounds)
+    loopback = QUICK_LOOPBACK if quick else (LOOPBACK_BYTES, LOOPBACK_TRIES)
+
+    def save(loopbacks: list[dict], runs: dict) -> None:
+        report.write_json(json_path, {
+            **summarize(loopbacks, runs), "rounds": len(loopbacks), "systems": chosen,
+            "targets": TARGETS, "batch_size": BATCH_SIZE, "joiner_niceness": JOINER_NICENESS,
+            "loopback_method": " ".join(loopback_rate.__doc__.split("\n\n")[1].split()),
+            "machine": report.machine()})
+
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-rejoin-") as tmp:
-        for params in sizes:
-            steps, sleep = PLANS[params]
-            if quick:
-                steps = steps // 2
-            entry = {"params": params}
-            for name in ("ftsystem", "blocking"):
-                mode = "nonblocking" if name == "ftsystem" else "blocking"
-                entry[name] = run_ftsystem(params=params, steps=steps, sleep=sleep, mode=mode,
-                                           workdir=Path(tmp) / f"{name}-{params}")
-            if not skip_torchft:
-                entry["torchft"] = run_torchft(params=params, steps=steps, sleep=sleep,
-                                               workdir=Path(tmp) / f"torchft-{params}")
-            entry["step_s"] = entry["ftsystem"]["step_s"]
-            entries.append(entry)
-            rows += [(params, name, r["step_s"], r["join_stall_s"], r["time_to_join_s"])
-                     for name, r in entry.items() if isinstance(r, dict)]
-    os.environ.pop("FTSYSTEM_CATCHUP", None)
-    report.print_table("rejoin: members' stall and joiner's time to join",
+        loopbacks, runs = run_rounds(chosen, plans, rounds, Path(tmp), loopback, save)
+    summary = summarize(loopbacks, runs)
+    report.print_table("rejoin: members' stall, joiner's time to join, transfer rate "
+                       "(median [min, max] over rounds)",
                        ["params", "system", "normal step (s)", "join stall (s)",
-                        "time to join (s)"], rows)
-    report.write_json(json_path, {
-        "sizes": entries, "target": "ftsystem join_stall_s <= step_s at every size",
-        "batch_size": BATCH_SIZE, "joiner_niceness": JOINER_NICENESS,
-        "machine": report.machine()})
+                        "time to join (s)", "transfer (GB/s)", "loopback (GB/s)"],
+                       _rows(summary))
