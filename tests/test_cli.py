@@ -81,3 +81,20 @@ def test_help_imports_neither_simulators_nor_plots():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "Usage" in out and "LOADED []" in out, out
+
+
+def test_the_core_imports_without_the_sim_extra():
+    """What runs a job (CLI, launcher, controller, agent, training) imports with matplotlib and
+    simpy unavailable, as after ``pip install ftsystem`` without ``[sim]``."""
+    probe = ("import sys\n"
+             "class Block:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] in ('matplotlib', 'simpy'):\n"
+             "            raise ImportError(name + ' is not installed')\n"
+             "sys.meta_path.insert(0, Block())\n"
+             "import ftsystem.cli, ftsystem.launcher, ftsystem.train, ftsystem.hsdp\n"
+             "import agent.supervisor, controller.app\n"
+             "print('CORE OK')")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert "CORE OK" in done.stdout, done.stderr
