@@ -24,7 +24,7 @@ from ftsystem import keys, metrics
 from ftsystem.ettr import LiveEttr
 from ftsystem.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
                                  Registration, ReplicaState, assign_donors, decide,
-                                 held_members, stale_members)
+                                 held_members, late_members, stale_members)
 from ftsystem.runtime import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
 from ftsystem.store import Store, StoreError
 from ftsystem.timeouts import TimeoutConfigError, Timeouts
@@ -246,6 +246,7 @@ class MembershipLoop:
     def _next_epoch(self, join_tick: bool, now: float) -> Epoch | None:
         self._hold(now)
         self._evict_stale()
+        self._evict_late()
         return decide(self.epoch, self.registrations, self.policy, join_tick=join_tick,
                       start_deadline_passed=now - self.started > self.cfg.start_timeout_s,
                       held=self.held, evicted=self.evicted)
@@ -323,6 +324,16 @@ class MembershipLoop:
             log.warning("removing %s: a peer's collective failed and its lease has not been "
                         "renewed for over a second (%d of %d s left)", member,
                         reading.remaining, reading.granted)
+
+    def _evict_late(self) -> None:
+        for member in late_members(self.epoch, self.registrations) - set(self.evicted):
+            if member not in self.registrations:
+                continue  # gone anyway
+            self.evicted[member] = self.registrations[member].generation
+            reporters = sorted(m for m, r in self.registrations.items() if member in r.late)
+            log.warning("removing %s: it had not arrived at the all-reduce of epoch %d within "
+                        "the straggler bound (reported by %s)", member, self.epoch.number,
+                        ",".join(reporters))
 
     def _export_ettr(self) -> None:
         for kind, value in self.ettr.values(time.time()).items():

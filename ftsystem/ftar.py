@@ -9,7 +9,9 @@ under a prefix unique to (job, epoch, shard), so groups of different epochs neve
 
 Waiting is always interruptible: while a rendezvous or a collective is in flight, a newer epoch
 abandons it (:class:`EpochChanged`), a peer failure or the timeout fails it
-(:class:`CollectiveFailed`). Gloo cannot cancel an operation in flight, so an abandoned group
+(:class:`CollectiveFailed`), and a peer that has not arrived at a step's all-reduce within the
+straggler bound is named (:class:`Stragglers`): every member of shard 0 marks its arrival at
+each step in the epoch's store, and one that waited the bound reads whose mark is missing. Gloo cannot cancel an operation in flight, so an abandoned group
 is dropped with its buffers (callers pass a fresh buffer on every attempt) and a new group is
 built for the new epoch.
 
@@ -21,11 +23,13 @@ also waits for the device (:func:`device_arrival`) and then asks the group.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,9 @@ from ftsystem.membership import Epoch
 from ftsystem.runtime import ControlPlane
 
 POLL_S = 0.002
+ARRIVAL_STORE_TIMEOUT_S = 2.0
+"""A check of the arrival marks that the epoch's store does not answer within this means the
+store's host (``members[0]``) is frozen or gone: it is the one named late."""
 DEVICE_POLL_S = 0.0002
 """A GPU collective of one gradient bucket takes about a millisecond: a poll as coarse as
 ``POLL_S`` would add a good part of that to every bucket's wait."""
@@ -52,6 +59,15 @@ class EpochChanged(Exception):
 
 class CollectiveFailed(Exception):
     """A rendezvous or collective failed (a peer died) or exceeded the timeout."""
+
+
+class Stragglers(CollectiveFailed):
+    """Members that had not arrived at a step's all-reduce within the straggler bound."""
+
+    def __init__(self, late: tuple[str, ...], step: int, bound_s: float) -> None:
+        super().__init__(f"{', '.join(late)} had not arrived at the all-reduce of step {step} "
+                         f"within {bound_s:.1f} s (the straggler bound)")
+        self.late = late
 
 
 def process_group_for(device: torch.device, timeout_s: float) -> ProcessGroupWrapper:
@@ -111,6 +127,10 @@ class FaultTolerantAllReduce:
         """How a wait learns that the data of a completed future is in memory (None: it is)."""
         self.epoch: Epoch | None = None
         self._pg: ProcessGroupWrapper | None = None
+        self._arrivals = None
+        """Shard 0: a client of the epoch's store, where members mark their arrival at steps."""
+        self._arrival: tuple[int, float] | None = None
+        """(step, bound) while this member waits at that step's all-reduce."""
         self._aborting: list[threading.Thread] = []
         # Where each future waiting for its data was issued: that group reports its errors,
         # also after a newer epoch replaced it.
@@ -160,6 +180,9 @@ class FaultTolerantAllReduce:
                 pg.abort(errored=False)
             raise
         self._pg, self.epoch = pg, epoch
+        if self.shard_index == 0:
+            self._arrivals = create_store_client(f"{addr}/steps",
+                                                 timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
 
     def _barrier(self, addr: str, rank: int, world: int, epoch: Epoch) -> None:
         try:
@@ -170,6 +193,38 @@ class FaultTolerantAllReduce:
         except (RuntimeError, ValueError) as e:  # the store's host is gone (DistNetworkError)
             raise CollectiveFailed(f"epoch {epoch.number}: rendezvous store unreachable: {e}") \
                 from e
+
+    @contextlib.contextmanager
+    def arrival(self, step: int, bound_s: float) -> Iterator[None]:
+        """Around a step's all-reduce: mark this member arrived at ``step``; a wait in it longer
+        than ``bound_s`` then reads which members have not arrived, and raises
+        :class:`Stragglers` naming them. Shard 0 only (a replica's ranks step together: one
+        held back holds back its rank 0, through the replica's own collectives)."""
+        if self._arrivals is None:
+            yield
+            return
+        try:
+            self._arrivals.set(f"{step}/{self.rank}", "")
+            self._arrivals.delete_key(f"{step - 2}/{self.rank}")  # every peer is past it
+        except (RuntimeError, ValueError):
+            pass  # the store's host is gone: the collective fails without help
+        self._arrival = (step, bound_s)
+        try:
+            yield
+        finally:
+            self._arrival = None
+
+    def _check_arrivals(self, epoch: Epoch, step: int, bound_s: float) -> None:
+        marks = [f"{step}/{r}" for r in range(len(epoch.members))]
+        try:
+            if self._arrivals.check(marks):
+                return  # everyone is there: the collective itself is slow
+            late = tuple(m for m, mark in zip(epoch.members, marks)
+                         if not self._arrivals.check([mark]))
+        except (RuntimeError, ValueError):  # the store does not answer: its host is stuck
+            late = (epoch.members[0],)
+        if late:
+            raise Stragglers(late, step, bound_s)
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
                       ) -> None:
@@ -196,6 +251,7 @@ class FaultTolerantAllReduce:
         partition drops packets without a reset) blocks its abort until Gloo's own timeout,
         and the next epoch must not wait for that.
         """
+        self._arrivals = None
         if self._pg is not None:
             pg, self._pg = self._pg, None
             aborting = threading.Thread(target=self._abort_group, args=(pg,), daemon=True,
@@ -232,7 +288,7 @@ class FaultTolerantAllReduce:
         :class:`CollectiveFailed`), and so does an error its group reports."""
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        self._wait(lambda: done.wait(POLL_S), self.epoch)
+        self._wait(lambda: done.wait(POLL_S), self.epoch, self._arrival)
         try:
             future.wait()
         except RuntimeError as e:
@@ -253,14 +309,20 @@ class FaultTolerantAllReduce:
             raise CollectiveFailed(f"collective in epoch {self.epoch.number} failed on the "
                                    f"device: {error}")
 
-    def _wait(self, ready: Callable[[], bool], epoch: Epoch) -> None:
+    def _wait(self, ready: Callable[[], bool], epoch: Epoch,
+              arrival: tuple[int, float] | None = None) -> None:
         """Poll ``ready`` (which may block up to ``POLL_S``) until it holds; a newer epoch or
-        the timeout interrupts the wait."""
-        deadline = time.monotonic() + self.timeout_s
+        the timeout interrupts the wait, and so do stragglers at ``arrival`` (step, bound)."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        check_at = started + arrival[1] if arrival is not None else math.inf
         while not ready():
             latest = self.control.epoch
             if latest is not None and latest.number > epoch.number:
                 raise EpochChanged(f"epoch {latest.number} superseded {epoch.number}")
+            if time.monotonic() > check_at:
+                self._check_arrivals(epoch, *arrival)
+                check_at = time.monotonic() + arrival[1]
             if time.monotonic() > deadline:
                 raise CollectiveFailed(f"not done within {self.timeout_s:.0f} s in epoch "
                                        f"{epoch.number} (FTSYSTEM_TIMEOUT_S)")

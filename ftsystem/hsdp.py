@@ -28,6 +28,7 @@ Catch-up and state sync move shard k from rank k of the donor to rank k of the r
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import logging
@@ -47,7 +48,8 @@ from ftsystem.checkpoint import Checkpointer, TrainingState
 from ftsystem.faults import FaultSchedule, InjectedFault
 from ftsystem.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
                                   to_words)
-from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, plan_state_sync
+from ftsystem.ftar import (CollectiveFailed, EpochChanged, FaultTolerantAllReduce, Stragglers,
+                           plan_state_sync)
 from ftsystem.membership import Epoch, Registration, ReplicaState
 from ftsystem.overlap import (DEFAULT_BUCKET_CAP_BYTES, GradientProducedTwice, OverlapInvalid,
                               OverlappedGradSum)
@@ -57,9 +59,12 @@ from ftsystem.replicated import (AdvancedBy, Batches, RegistrationMismatch, Repl
 from ftsystem.runtime import ControlPlane, Heartbeat, ReplicaContext
 from ftsystem.shards import (flat_grads, grads_as_views, load_local_state, local, local_numel,
                              local_state, release_grads)
+from ftsystem.timeouts import StragglerBound, Timeouts
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05
+STEP_TIMES_KEPT = 20
+"""Recent step times the straggler bound is taken from (their median)."""
 READY_LAG = 2
 """A joiner asks to join once it is this many steps (or fewer) behind its donor."""
 SNAPSHOT_LEAD = 2
@@ -222,6 +227,8 @@ class FTReplica:
         """The disk checkpoint's step this replica started from (a cold start), if any."""
         self._labels = (self.ctx.job, self.ctx.replica_id)
         self._last_commit = time.monotonic()
+        self._step_times: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self._stragglers = StragglerBound.from_env(os.environ, Timeouts(self.ctx.timeout_s))
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -355,8 +362,14 @@ class FTReplica:
                     return None
             started, error, buf, sent_early = time.monotonic(), None, None, overlapped
             try:
-                buf = self._sum_overlapped() if overlapped else self._sum_flat()
+                with self.ftar.arrival(self.step, self._stragglers.bound_s(self._step_times)):
+                    buf = self._sum_overlapped() if overlapped else self._sum_flat()
                 self.faults.check(self.step, "fail-allreduce")
+            except Stragglers as e:
+                error = e
+                # Reported before the vote: this replica's other ranks may be waiting on the
+                # same stragglers in their shards' all-reduces until the epoch without them.
+                self.control.register(resync_after=self.ftar.epoch.number, late=e.late)
             except (EpochChanged, CollectiveFailed, InjectedFault) as e:
                 error = e
             # A retry runs in a new group (see _after_failed_vote), where every member sends
@@ -467,7 +480,7 @@ class FTReplica:
         """Drop this replica's state: ask for a new epoch, in which it receives the job's."""
         self._fresh = True
         failed = self.ftar.epoch.number
-        self.control.register(resync_after=failed)
+        self.control.register(resync_after=failed, late=())
         self._enter_epoch(newer_than=failed)
 
     def _corrupt(self) -> None:
@@ -548,6 +561,7 @@ class FTReplica:
         now = time.monotonic()
         metrics.STEPS.labels(*self._labels).inc()
         metrics.STEP_DURATION.labels(*self._labels).observe(now - self._last_commit)
+        self._step_times.append(now - self._last_commit)
         self._last_commit = now
         self.commits.append((self.step, time.time()))
         self.heartbeat.beat(self.step)
@@ -576,7 +590,7 @@ class FTReplica:
                     self.step, error)
         self.ftar.abort()
         # If nobody died, no epoch would come: ask the leader for one (it reconfigures all).
-        self.control.register(resync_after=failed)
+        self.control.register(resync_after=failed, late=getattr(error, "late", ()))
         if self.control.wait_for_epoch(failed, self.ctx.timeout_s) is None:
             raise CollectiveFailed(
                 f"{error}; and no new epoch came within {self.ctx.timeout_s:.0f} s: giving up "

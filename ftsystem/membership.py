@@ -48,6 +48,10 @@ class Registration:
     asks the leader for a new epoch so that all members reconfigure and reconcile."""
     lease: int = 0
     """The replica lease this registration is bound to (0: unknown, an older writer)."""
+    late: tuple[str, ...] = ()
+    """With ``resync_after``: the members that had not arrived at this replica's all-reduce
+    within the straggler bound (``ftsystem.timeouts.StragglerBound``); the leader takes them
+    out of the epoch (:func:`late_members`)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -56,6 +60,7 @@ class Registration:
     def from_json(cls, data: bytes | str) -> "Registration":
         raw = json.loads(data)
         raw["state"] = ReplicaState(raw["state"])
+        raw["late"] = tuple(raw.get("late", ()))
         return cls(**raw)
 
 
@@ -241,6 +246,24 @@ def stale_members(registrations: Mapping[str, Registration], members: Collection
     if len(stale) >= 2 and 2 * len(stale) >= len(judged):
         return frozenset()
     return stale
+
+
+def late_members(current: Epoch | None, registrations: Mapping[str, Registration]
+                 ) -> frozenset[str]:
+    """Members to take out of ``current`` because a member found them late at a step's
+    all-reduce (it waited the straggler bound and they had not arrived): alive, but holding
+    everyone back. A report counts in the epoch it was made in. Nobody is removed when at
+    least half of the members, and at least 2, are named: a machine-wide slowdown, not
+    stragglers. The named replicas rejoin after their agent restarts them (catch-up)."""
+    if current is None:
+        return frozenset()
+    named = frozenset(
+        late for m in current.members if m in registrations
+        and registrations[m].resync_after >= current.number
+        for late in registrations[m].late if late in current.members and late != m)
+    if len(named) >= 2 and 2 * len(named) >= len(current.members):
+        return frozenset()
+    return named
 
 
 def assign_donors(epoch: Epoch | None, registrations: Mapping[str, Registration],

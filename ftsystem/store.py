@@ -280,6 +280,9 @@ class Store:
             while True:
                 await asyncio.sleep(every_s or ttl_s / 3)
                 client = self._ensure_client()
+                if stream is not None and stream.client is not client:
+                    stream.close()  # another task reconnected: renew on the new connection
+                    stream = None
                 try:
                     stream = stream or await _KeepAliveStream.open(client)
                     ttl = await stream.renew(lease_id)
@@ -292,7 +295,7 @@ class Store:
                     if stream is not None:
                         stream.close()
                         stream = None
-                    await self._rotate(client)
+                    await self._rotate(client)  # a no-op if another task already replaced it
                     continue
                 if failing:
                     log.info("lease %x renewed again", lease_id)
@@ -344,13 +347,13 @@ class Store:
 class _KeepAliveStream:
     """One open ``LeaseKeepAlive`` call: a request written, its reply read, in turn."""
 
-    def __init__(self, call: Any) -> None:
-        self.call = call
+    def __init__(self, client: aetcd.Client, call: Any) -> None:
+        self.client, self.call = client, call
 
     @classmethod
     async def open(cls, client: aetcd.Client) -> "_KeepAliveStream":
         await client.connect()
-        return cls(client.leasestub.LeaseKeepAlive(metadata=client.metadata))
+        return cls(client, client.leasestub.LeaseKeepAlive(metadata=client.metadata))
 
     async def renew(self, lease_id: int) -> int:
         """The lease's TTL after renewal; 0 when etcd no longer knows it."""

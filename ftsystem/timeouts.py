@@ -13,13 +13,17 @@ that each ends well within it:
   for what neither path catches (a silently lossy link, a peer stuck inside the kernel).
 
 Survivors abandon an in-flight all-reduce the moment a newer epoch appears, so they are stalled
-for about a third of the timeout, and never longer than the timeout.
+for about a third of the timeout, and never longer than the timeout. A replica that is alive
+but holds the others back at a step's all-reduce is named by them sooner: within the straggler
+bound, a multiple of the step time (:class:`StragglerBound`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 NODE_LEASE_TTL_S = 40
 """An agent's hold on its node rank (``agent.slot``) lapses this long after its last renewal,
@@ -63,3 +67,53 @@ class Timeouts:
     def collective_s(self) -> float:
         """Collectives, rendezvous and transfers give up after this (the backstop)."""
         return self.timeout_s
+
+
+# --- stragglers: a bound from the observed step time -------------------------------------------
+
+ENV_STRAGGLER_FACTOR = "FTSYSTEM_STRAGGLER_FACTOR"
+ENV_STRAGGLER_FLOOR_S = "FTSYSTEM_STRAGGLER_FLOOR_S"
+ENV_STRAGGLER_CEILING_S = "FTSYSTEM_STRAGGLER_CEILING_S"
+DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S = 4.0, 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerBound:
+    """How long a member waits at a step's all-reduce for a peer that has not arrived before it
+    reports the peer late (the leader then takes it out of the epoch; it rejoins after its
+    agent restarts it and it has caught up).
+
+    The bound is ``factor`` times the median of the recent step times, kept between ``floor_s``
+    (a step a few times slower than usual, a scheduling hiccup, must not cost a replica) and
+    ``ceiling_s`` (by default the watchdog's third of the timeout: never later than a hung rank
+    would be restarted anyway). Before any step time is known, it is the ceiling.
+    """
+
+    factor: float = DEFAULT_STRAGGLER_FACTOR
+    floor_s: float = DEFAULT_STRAGGLER_FLOOR_S
+    ceiling_s: float = Timeouts(30.0).watchdog_s
+
+    def __post_init__(self) -> None:
+        if not (self.factor >= 1 and 0 < self.floor_s <= self.ceiling_s):
+            raise TimeoutConfigError(
+                f"straggler bound factor {self.factor:g}, floor {self.floor_s:g} s, ceiling "
+                f"{self.ceiling_s:g} s: need factor >= 1 and 0 < floor <= ceiling (set "
+                f"{ENV_STRAGGLER_FACTOR}, {ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S})")
+
+    def bound_s(self, step_times: Sequence[float]) -> float:
+        if not step_times:
+            return self.ceiling_s
+        return min(self.ceiling_s, max(self.floor_s, self.factor * statistics.median(step_times)))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], timeouts: Timeouts) -> "StragglerBound":
+        """Defaults, overridden by the environment; the ceiling follows the one timeout."""
+        try:
+            ceiling = float(env.get(ENV_STRAGGLER_CEILING_S, timeouts.watchdog_s))
+            floor = float(env.get(ENV_STRAGGLER_FLOOR_S, min(DEFAULT_STRAGGLER_FLOOR_S, ceiling)))
+            return cls(factor=float(env.get(ENV_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FACTOR)),
+                       floor_s=floor, ceiling_s=ceiling)
+        except ValueError as e:
+            raise TimeoutConfigError(f"straggler bound: {e} (set {ENV_STRAGGLER_FACTOR}, "
+                                     f"{ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S} to "
+                                     "numbers)") from e

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, strategies as st
 
 from ftsystem.ftar import plan_state_sync
 from ftsystem.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
                                  Registration, ReplicaState, assign_donors, decide,
-                                 held_members, stale_members)
+                                 held_members, late_members, stale_members)
+from ftsystem.timeouts import StragglerBound, TimeoutConfigError, Timeouts
 
 READY, MEMBER = ReplicaState.READY, ReplicaState.MEMBER
 
@@ -358,3 +360,56 @@ def test_stale_members_properties(raw, members, reported, suspected):
     judged = [m for m in members if m in registrations and registrations[m].lease
               and reported <= readings[m].at <= reported + CONFIRM_S]
     assert len(result) <= 1 or 2 * len(result) < len(judged)
+
+
+# --- stragglers: taken out when a member found them late ---------------------------------------
+
+def late_report(rid: str, epoch_number: int, *late: str) -> Registration:
+    return Registration(replica_id=rid, state=MEMBER, generation=0, resync_after=epoch_number,
+                        late=late)
+
+
+def test_a_member_named_late_is_taken_out_and_stays_out_until_it_restarts():
+    current = epoch(4, "a", "b", "c")
+    registrations = regs(late_report("a", 4, "c"), reg("b"), reg("c"))
+    assert late_members(current, registrations) == {"c"}
+    evicted = {m: registrations[m].generation for m in late_members(current, registrations)}
+    nxt = decide(current, registrations, Policy(), join_tick=True, evicted=evicted)
+    assert nxt.members == ("a", "b") and nxt.reason == "removal"
+    # The next tick does not take it back while it is the same generation...
+    assert decide(nxt, registrations, Policy(), join_tick=True, evicted=evicted) is None
+    # ...and the report, made in epoch 4, no longer counts in epoch 5.
+    assert late_members(nxt, registrations) == frozenset()
+
+
+def test_late_reports_that_cannot_be_stragglers_are_ignored():
+    current = epoch(4, "a", "b", "c", "d")
+    # From an earlier epoch, naming itself, or naming a non-member.
+    assert late_members(current, regs(late_report("a", 3, "c"), late_report("b", 4, "b"),
+                                      late_report("c", 4, "x"), reg("d"))) == frozenset()
+    # Half of the members named: a machine-wide slowdown, not stragglers.
+    assert late_members(current, regs(late_report("a", 4, "c", "d"), reg("b"), reg("c"),
+                                      reg("d"))) == frozenset()
+    assert late_members(epoch(4, "a", "b"), regs(late_report("a", 4, "b"), reg("b"))) == {"b"}
+
+
+def test_registration_json_round_trip_keeps_the_late_members():
+    report = late_report("a", 4, "b", "c")
+    assert Registration.from_json(report.to_json()) == report
+    older = '{"replica_id": "a", "state": "member", "generation": 0}'  # written before `late`
+    assert Registration.from_json(older).late == ()
+
+
+def test_the_straggler_bound_follows_the_step_time_between_floor_and_ceiling():
+    bound = StragglerBound(factor=4.0, floor_s=2.0, ceiling_s=10.0)
+    assert bound.bound_s([]) == 10.0  # nothing observed yet: the ceiling
+    assert bound.bound_s([0.1, 0.1, 5.0]) == 2.0  # fast steps: the floor
+    assert bound.bound_s([1.0, 1.5, 1.0, 30.0]) == 5.0  # 4 x the median, not the mean
+    assert bound.bound_s([4.0]) == 10.0
+    derived = StragglerBound.from_env({}, Timeouts(30.0))
+    assert (derived.floor_s, derived.ceiling_s) == (2.0, 10.0)
+    assert StragglerBound.from_env({}, Timeouts(6.0)).floor_s == 2.0
+    with pytest.raises(TimeoutConfigError, match="FTSYSTEM_STRAGGLER_FLOOR_S"):
+        StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FLOOR_S": "20"}, Timeouts(30.0))
+    with pytest.raises(TimeoutConfigError, match="numbers"):
+        StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FACTOR": "fast"}, Timeouts(30.0))
