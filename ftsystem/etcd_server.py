@@ -79,6 +79,16 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+COMPACTION_RETENTION = "1h"
+"""etcd compacts the key history older than this (``--auto-compaction-retention``, periodic).
+Every progress write keeps its old revision until compacted: without it the database only
+grows (about 26 KB/s at 64 replicas, ``docs/scale.md``). An hour is far longer than any watch
+needs to resume after an outage, and holds about 95 MB of history at that rate."""
+QUOTA_BACKEND_BYTES = 2 * 1024 ** 3
+"""etcd's space quota (its default, 2 GiB, set explicitly so that every deployment sizes its
+volume past it): beyond it etcd raises a NOSPACE alarm and refuses writes."""
+
+
 @dataclass(kw_only=True)
 class EmbeddedEtcd:
     """An etcd on loopback (and ``host``), tuned for fast failure detection (short heartbeats).
@@ -97,6 +107,8 @@ class EmbeddedEtcd:
     """Port for its cluster peers; a free one when 0."""
     initial_cluster: str = ""
     """``name=peer-url,...`` of every member; empty: a cluster of this member alone."""
+    compaction_retention: str = COMPACTION_RETENTION
+    quota_bytes: int = QUOTA_BACKEND_BYTES
     process: subprocess.Popen | None = field(default=None, init=False)
 
     @property
@@ -137,6 +149,9 @@ class EmbeddedEtcd:
                 "--initial-advertise-peer-urls", self.peer_url,
                 "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
                 "--heartbeat-interval", "25", "--election-timeout", "250",
+                "--auto-compaction-mode", "periodic",
+                "--auto-compaction-retention", self.compaction_retention,
+                "--quota-backend-bytes", str(self.quota_bytes),
                 "--log-level", "error"]
 
     @property

@@ -400,6 +400,24 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def test_every_etcd_compacts_its_history_under_a_quota_its_volume_holds():
+    """The embedded etcd, compose's and Kubernetes' all compact history older than an hour and
+    stop at the same 2 GiB quota; the Kubernetes volume is larger than that quota."""
+    from ftsystem.etcd_server import COMPACTION_RETENTION, QUOTA_BACKEND_BYTES, EmbeddedEtcd
+    [statefulset] = [d for d in k8s("StatefulSet") if d["metadata"]["name"] == "etcd"]
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    started = {"compose": compose()["services"]["etcd"]["command"], "k8s": container["args"],
+               "embedded": EmbeddedEtcd(port=1, peer_port=2)._command("etcd")}
+    for where, argv in started.items():
+        args = " ".join(argv).replace("=", " ").split()
+        assert option(args, "--auto-compaction-mode") == "periodic", where
+        assert option(args, "--auto-compaction-retention") == COMPACTION_RETENTION, where
+        assert int(option(args, "--quota-backend-bytes")) == QUOTA_BACKEND_BYTES, where
+    [claim] = statefulset["spec"]["volumeClaimTemplates"]
+    storage = claim["spec"]["resources"]["requests"]["storage"]
+    assert storage.endswith("Gi") and int(storage[:-2]) * 1024 ** 3 >= 2 * QUOTA_BACKEND_BYTES
+
+
 @pytest.mark.slow
 def test_compose_etcd_command_serves(tmp_path):
     command = compose()["services"]["etcd"]["command"]

@@ -172,6 +172,32 @@ def test_keep_alive_outlives_a_pause_while_other_calls_reconnect(tmp_path):
     assert ttl is not None and ttl[0] >= 8, f"lease not renewed after the pause: {ttl}"
 
 
+def _etcd_metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == name)
+
+
+def test_embedded_etcd_compacts_its_history(tmp_path):
+    """Every ftsystem-started etcd compacts old revisions (here after 1 s instead of the
+    hour of ``COMPACTION_RETENTION``), so progress writes do not grow the database forever."""
+    from conftest import wait_for
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", compaction_retention="1s").start()
+
+    async def write(count: int) -> int:
+        async with Store(server.url) as store:
+            for step in range(count):
+                await store.put("/c/progress", str(step))
+            return (await store.get_prefix("/c/"))[1]
+    try:
+        revision = run(write(200))
+        # Periodic compaction keeps the revisions of the last retention period only.
+        wait_for(lambda: _etcd_metric(server.url, "etcd_debugging_mvcc_compact_revision")
+                 >= revision - 10, 30, "etcd to compact the history of the 200 writes")
+    finally:
+        server.stop()
+
+
 def test_missing_etcd_binary_says_how_to_install(monkeypatch):
     monkeypatch.setenv("FTSYSTEM_ETCD_BIN", "/nonexistent/etcd")
     with pytest.raises(EtcdNotInstalledError, match="apt-get install etcd-server"):
