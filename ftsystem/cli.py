@@ -331,6 +331,7 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
 from ftsystem.benchmarks import controller_bench, failover, overhead, rejoin  # noqa: E402,F401
 from ftsystem.benchmarks import ettr_bench  # noqa: E402,F401
 from ftsystem.benchmarks import gradsum  # noqa: E402,F401
+from ftsystem.benchmarks import soak  # noqa: E402,F401
 from ftsystem.benchmarks import fingerprint as fingerprint_bench  # noqa: E402,F401
 from ftsystem.sim import ettr_cli  # noqa: E402,F401
 from ftsystem.halos import cli as halos_cli  # noqa: E402,F401
