@@ -45,17 +45,22 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
     out = tmp_path / "ettr.json"
     result = CliRunner().invoke(app, [
         "bench", "ettr", "--duration", "15", "--mtbf", "5s", "--actions", "kill,hang",
-        "--fault-duration", "2s", "--timeout", "6", "--replicas", "2", "--rounds", "2",
+        "--fault-duration", "2s", "--timeout", "6", "--replicas", "2", "--rounds", "1",
         "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["settings"]["rounds"] == 2 and data["settings"]["timeout_s"] == 6.0
+    # One round: the rounds' order and aggregation are checked without processes below.
+    assert data["settings"]["rounds"] == 1 and data["settings"]["timeout_s"] == 6.0
     assert {"ratio", "target", "machine", "schedule", "warnings"} <= set(data)
     for name in SYSTEMS:
         system = data[name]
-        assert [r["round"] for r in system["rounds"]] == [0, 1]
+        assert [r["round"] for r in system["rounds"]] == [0]
         for figure in ("ettr_time", "ettr_work"):
             spread = system[figure]
+            if spread["median"] is None:  # no commit within 15 s (a slow start on a busy machine)
+                assert name != "ftsystem" and spread == {"median": None, "min": None,
+                                                         "max": None}, (name, spread)
+                continue
             assert 0 < spread["min"] <= spread["median"] <= spread["max"] <= 1, (name, spread)
         for run in system["rounds"]:  # every stall from a fault's instant, none negative
             assert all(f["stall_s"] >= 0 and math.isfinite(f["time"]) for f in run["faults"])
