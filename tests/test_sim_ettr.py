@@ -378,31 +378,25 @@ def test_cli_rejects_bad_host_failover_file(tmp_path, content, message) -> None:
     assert isinstance(result.exception, SystemExit)   # a message, not a traceback
 
 
-@pytest.mark.parametrize("content, message", [
-    (json.dumps({"decision_latency_s": {}}), "has no config.nodes"),
-    (json.dumps({"config": {"nodes": 4}, "decision_latency_s": {}}), "at least one kind"),
-    (json.dumps({"config": {"nodes": 4}, "decision_latency_s": {"k": {"p50": 0.1}}}),
-     "has no p99"),
-])
-def test_cli_rejects_bad_controller_file(tmp_path, content, message) -> None:
-    path = tmp_path / "controller_nodes.json"
-    path.write_text(content)
-    result = CliRunner().invoke(app, ["sim", "ettr", "--quick", "--controller-json", str(path)])
-    assert result.exit_code == 2
-    assert message in flat(result.output)
-
-
-@pytest.mark.parametrize("content, message", [
-    (json.dumps({"sizes": []}), "non-empty list"),
-    (json.dumps({"sizes": [{"params": 1e6, "ftsystem": {"join_stall_s": 0.1}}]}),
+@pytest.mark.parametrize("option, name, content, message", [
+    ("--controller-json", "controller_nodes.json", {"decision_latency_s": {}},
+     "has no config.nodes"),
+    ("--controller-json", "controller_nodes.json",
+     {"config": {"nodes": 4}, "decision_latency_s": {}}, "at least one kind"),
+    ("--controller-json", "controller_nodes.json",
+     {"config": {"nodes": 4}, "decision_latency_s": {"k": {"p50": 0.1}}}, "has no p99"),
+    ("--rejoin-json", "rejoin.json", {"sizes": []}, "non-empty list"),
+    ("--rejoin-json", "rejoin.json",
+     {"sizes": [{"params": 1e6, "ftsystem": {"join_stall_s": 0.1}}]},
      "has no ftsystem.time_to_join_s"),
-    (json.dumps({"sizes": [{"params": 1e6, "ftsystem": {"join_stall_s": -2,
-                                                        "time_to_join_s": 1}}]}), "non-negative"),
+    ("--rejoin-json", "rejoin.json",
+     {"sizes": [{"params": 1e6, "ftsystem": {"join_stall_s": -2, "time_to_join_s": 1}}]},
+     "non-negative"),
 ])
-def test_cli_rejects_bad_rejoin_file(tmp_path, content, message) -> None:
-    path = tmp_path / "rejoin.json"
-    path.write_text(content)
-    result = CliRunner().invoke(app, ["sim", "ettr", "--quick", "--rejoin-json", str(path)])
+def test_cli_rejects_bad_benchmark_files(tmp_path, option, name, content, message) -> None:
+    path = tmp_path / name
+    path.write_text(json.dumps(content))
+    result = CliRunner().invoke(app, ["sim", "ettr", "--quick", option, str(path)])
     assert result.exit_code == 2
     assert message in flat(result.output)
 
