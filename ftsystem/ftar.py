@@ -24,6 +24,7 @@ also waits for the device (:func:`device_arrival`) and then asks the group.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -40,6 +41,7 @@ from ftsystem.devices import use_device, with_index
 from ftsystem.membership import Epoch
 from ftsystem.runtime import ControlPlane
 
+log = logging.getLogger(__name__)
 POLL_S = 0.002
 ARRIVAL_STORE_TIMEOUT_S = 2.0
 """A check of the arrival marks that the epoch's store does not answer within this means the
@@ -181,8 +183,11 @@ class FaultTolerantAllReduce:
             raise
         self._pg, self.epoch = pg, epoch
         if self.shard_index == 0:
-            self._arrivals = create_store_client(f"{addr}/steps",
-                                                 timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
+            try:
+                self._arrivals = create_store_client(f"{addr}/steps",
+                                                     timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
+            except (RuntimeError, ValueError) as e:  # its host just went: the collective fails
+                log.warning("epoch %d: no arrival marks this epoch (%s)", epoch.number, e)
 
     def _barrier(self, addr: str, rank: int, world: int, epoch: Epoch) -> None:
         try:
