@@ -208,9 +208,8 @@ class FaultTolerantAllReduce:
         if self._arrivals is None:
             yield
             return
-        try:
-            self._arrivals.set(f"{step}/{self.rank}", "")
-            self._arrivals.delete_key(f"{step - 2}/{self.rank}")  # every peer is past it
+        try:  # one write per step: the member's key holds the last step it arrived at
+            self._arrivals.set(str(self.rank), str(step))
         except (RuntimeError, ValueError):
             pass  # the store's host is gone: the collective fails without help
         self._arrival = (step, bound_s)
@@ -220,16 +219,17 @@ class FaultTolerantAllReduce:
             self._arrival = None
 
     def _check_arrivals(self, epoch: Epoch, step: int, bound_s: float) -> None:
-        marks = [f"{step}/{r}" for r in range(len(epoch.members))]
         try:
-            if self._arrivals.check(marks):
-                return  # everyone is there: the collective itself is slow
-            late = tuple(m for m, mark in zip(epoch.members, marks)
-                         if not self._arrivals.check([mark]))
+            late = tuple(m for r, m in enumerate(epoch.members) if not self._arrived(r, step))
         except (RuntimeError, ValueError):  # the store does not answer: its host is stuck
             late = (epoch.members[0],)
-        if late:
+        if late:  # else everyone is there: the collective itself is slow
             raise Stragglers(late, step, bound_s)
+
+    def _arrived(self, rank: int, step: int) -> bool:
+        # check() first: get() of a key never written waits for it.
+        key = str(rank)
+        return self._arrivals.check([key]) and int(self._arrivals.get(key)) >= step
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
                       ) -> None:
