@@ -2,7 +2,7 @@
 
 Signals go to the replica's process groups, so every rank (and anything it started) is hit:
 ``kill`` is SIGKILL; ``hang`` is SIGSTOP for the order's duration, then SIGCONT; ``slow``
-stops and continues the replica in a duty cycle (``ftsystem.chaos.slow_pattern``).
+stops and continues the replica in a duty cycle (``ftsystem.chaos.spec.slow_pattern``).
 ``partition`` takes the link of the host (network namespace) the agent runs in down for the
 duration: the replica and its agent are cut off together, as by a failed switch port, and
 packets are dropped without a reset.
@@ -15,11 +15,11 @@ import os
 import signal
 from typing import Callable
 
-from ftsystem.chaos import REPLICA_ACTIONS, Order, slow_pattern
-from ftsystem.chaos_executor import ChaosActionError, OrderExecutor
-from ftsystem.netns import ENV_NETNS, NetnsError, set_link
-from ftsystem.procs import signal_group
-from ftsystem.store import Store
+from ftsystem.chaos.spec import REPLICA_ACTIONS, Order, slow_pattern
+from ftsystem.chaos.executor import ChaosActionError, OrderExecutor
+from ftsystem.launch.netns import ENV_NETNS, NetnsError, set_link
+from ftsystem.launch.procs import signal_group
+from ftsystem.control.store import Store
 
 
 def replica_executor(store: Store, job: str, replica_id: str,

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from agent.supervisor import Agent, AgentConfig
-from ftsystem import metrics
+from ftsystem.measure import metrics
 
 
 def run_agent(cfg: AgentConfig) -> int:

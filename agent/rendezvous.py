@@ -26,8 +26,8 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ftsystem import keys
-from ftsystem.store import Store
+from ftsystem.control import keys
+from ftsystem.control.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import json
 import logging
 from typing import Any
 
-from ftsystem import keys
-from ftsystem.store import LeaseLostError, Store, StoreError
-from ftsystem.timeouts import NODE_LEASE_RENEW_S, NODE_LEASE_TTL_S
+from ftsystem.control import keys
+from ftsystem.control.store import LeaseLostError, Store, StoreError
+from ftsystem.control.timeouts import NODE_LEASE_RENEW_S, NODE_LEASE_TTL_S
 
 from agent.rendezvous import Rendezvous, RendezvousError
 

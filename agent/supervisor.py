@@ -15,7 +15,7 @@ outage outlived is replaced (and the replica's rank 0 told through the lease fil
 the replica being restarted. A failure during the outage is acted on once etcd is back.
 
 GPUs follow torchrun's convention: every rank sees the node's GPUs and rank k uses cuda:k
-(``ftsystem.devices.local_device``). Started with ``--gpus``, the agent instead lets rank k see
+(``ftsystem.training.devices.local_device``). Started with ``--gpus``, the agent instead lets rank k see
 only the k-th listed GPU, which that rule then makes its cuda:0.
 """
 
@@ -38,14 +38,16 @@ from agent.pulse import DONE, ENDED, Pulse
 from agent.rendezvous import (Generation, Layout, Rendezvous, RendezvousError, rank_env,
                               replica_env)
 from agent.slot import NodeSlot, SlotTaken
-from ftsystem import keys, metrics, runtime
-from ftsystem.etcd_server import free_port
-from ftsystem.faults import FaultPoint, format_fault_points
-from ftsystem.membership import Registration, ReplicaState
-from ftsystem.procs import die_with_parent, signal_group
-from ftsystem.runtime import DEFAULT_TIMEOUT_S
-from ftsystem.store import LeaseLostError, Store, StoreUnavailableError
-from ftsystem.timeouts import Timeouts
+from ftsystem.control import keys
+from ftsystem.measure import metrics
+from ftsystem.training import runtime
+from ftsystem.control.etcd_server import free_port
+from ftsystem.chaos.faults import FaultPoint, format_fault_points
+from ftsystem.control.membership import Registration, ReplicaState
+from ftsystem.launch.procs import die_with_parent, signal_group
+from ftsystem.training.runtime import DEFAULT_TIMEOUT_S
+from ftsystem.control.store import LeaseLostError, Store, StoreUnavailableError
+from ftsystem.control.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,8 @@ class AgentConfig:
     """The machine: an agent restarted on the same one takes its node rank back at once."""
     lease_ttl_s: int = Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
     """TTL of the replica's lease: the slow path that covers what pulses and process exits do
-    not (the CLI derives it from ``--timeout``, see ``ftsystem.timeouts``). The node's own lease
-    is a longer node lease (``ftsystem.timeouts.NODE_LEASE_TTL_S``)."""
+    not (the CLI derives it from ``--timeout``, see ``ftsystem.control.timeouts``). The node's own lease
+    is a longer node lease (``ftsystem.control.timeouts.NODE_LEASE_TTL_S``)."""
     peer_timeout_s: float = 1.0
     """A peer node silent this long is dead or cut off: the replica restarts."""
     max_restarts: int = 20

@@ -18,10 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controller.auth import BearerAuth, load_token
 from controller.leader import LeaderConfig, run_elections
 from controller.status_page import status_router
-from ftsystem import chaos_rate, keys, metrics
-from ftsystem.chaos import ChaosSpecError, Order, spec_from_mapping, submit
-from ftsystem.membership import ReplicaState
-from ftsystem.store import HeldKey, Store, StoreError
+from ftsystem.chaos import rate as chaos_rate
+from ftsystem.control import keys
+from ftsystem.measure import metrics
+from ftsystem.chaos.spec import ChaosSpecError, Order, spec_from_mapping, submit
+from ftsystem.control.membership import ReplicaState
+from ftsystem.control.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
 INTERNAL_EPOCH_FIELDS = ("store_addr",)

@@ -6,7 +6,7 @@ a transaction guarded by its leadership, so a deposed leader cannot publish. Rep
 stepping in their current epoch while no leader exists.
 
 Two rules keep an etcd outage from looking like host failures, and make a dead host's removal
-fast (both decided in ``ftsystem.membership``): registrations that vanish together, or that a
+fast (both decided in ``ftsystem.control.membership``): registrations that vanish together, or that a
 new leader finds missing, are held for a grace instead of removed (``held_members``); and when a
 member reports a failed collective, its peers' lease renewals are checked, so a host that died
 with its agent is removed in about a second instead of a lease TTL (``stale_members``).
@@ -20,14 +20,16 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ftsystem import keys, metrics
-from ftsystem.ettr import LiveEttr
-from ftsystem.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
+from ftsystem.control import keys
+
+from ftsystem.measure import metrics
+from ftsystem.measure.ettr import LiveEttr
+from ftsystem.control.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
                                  Registration, ReplicaState, assign_donors, decide,
                                  held_members, late_members, stale_members)
-from ftsystem.runtime import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
-from ftsystem.store import Store, StoreError
-from ftsystem.timeouts import TimeoutConfigError, Timeouts
+from ftsystem.training.runtime import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
+from ftsystem.control.store import Store, StoreError
+from ftsystem.control.timeouts import TimeoutConfigError, Timeouts
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import uvicorn
 
 from controller.app import create_app
 from controller.leader import LeaderConfig
-from ftsystem.store import Store
+from ftsystem.control.store import Store
 
 
 def serve(*, etcd: str, job: str, port: int, bind: str, advertise_address: str,

@@ -18,8 +18,8 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
 from controller.leader import LeaderConfig
-from ftsystem import keys
-from ftsystem.store import Store
+from ftsystem.control import keys
+from ftsystem.control.store import Store
 
 NUM_FAILURES_SHOWN = 20
 

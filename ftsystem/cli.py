@@ -21,7 +21,7 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(chaos_app, name="chaos")
 
 ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379)"
-# The names the ranks already read (ftsystem.runtime.ENV_ETCD, ENV_JOB): one setting for all.
+# The names the ranks already read (ftsystem.training.runtime.ENV_ETCD, ENV_JOB): one setting for all.
 ENV_ETCD, ENV_JOB = "FTSYSTEM_ETCD", "FTSYSTEM_JOB"
 ADVERTISE_HELP = ("address peers and Prometheus reach this process at (default: "
                   "$POD_IP on Kubernetes, else this host's routable address)")
@@ -50,7 +50,7 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _timeouts(timeout_s: float):
-    from ftsystem.timeouts import TimeoutConfigError, Timeouts
+    from ftsystem.control.timeouts import TimeoutConfigError, Timeouts
     try:
         return Timeouts(timeout_s)
     except TimeoutConfigError as e:
@@ -58,7 +58,7 @@ def _timeouts(timeout_s: float):
 
 
 def _check_id(kind: str, value: str) -> str:
-    from ftsystem.keys import InvalidIdError, check_id
+    from ftsystem.control.keys import InvalidIdError, check_id
     try:
         return check_id(kind, value)
     except InvalidIdError as e:
@@ -70,7 +70,7 @@ def etcd(data_dir: Optional[Path] = typer.Option(None, help="data directory (def
          port: int = typer.Option(2379, help="client port")) -> None:
     """Run a single-node etcd on loopback until stopped (Ctrl-C)."""
     import signal
-    from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, EtcdStartError
+    from ftsystem.control.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, EtcdStartError
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # delivered to sigwait below
     try:
@@ -103,8 +103,8 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
     """Run a controller instance: leader election, membership epochs, REST API, /metrics.
     Mutating requests need FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), unless --insecure."""
     from controller.main import serve
-    from ftsystem.addresses import default_advertise_address
-    from ftsystem.store import parse_endpoints
+    from ftsystem.control.addresses import default_advertise_address
+    from ftsystem.control.store import parse_endpoints
     _check_id("job", job)
     if instance_id is not None:
         _check_id("controller instance", instance_id)
@@ -112,7 +112,7 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
         parse_endpoints(etcd)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--etcd") from e
-    from ftsystem.store import StoreError
+    from ftsystem.control.store import StoreError
     try:
         serve(etcd=etcd, job=job, port=port, bind=host or bind,
               advertise_address=host or advertise_address or default_advertise_address(),
@@ -162,8 +162,8 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     import os
     from agent.main import run_agent
     from agent.supervisor import AgentConfig, parse_gpus
-    from ftsystem.faults import parse_fault_point
-    from ftsystem.runtime import ENV_TIMEOUT
+    from ftsystem.chaos.faults import parse_fault_point
+    from ftsystem.training.runtime import ENV_TIMEOUT
     _check_id("job", job)
     _check_id("replica", replica_id)
     try:
@@ -174,9 +174,9 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
         gpu_list = parse_gpus(gpus)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--gpus") from e
-    from ftsystem.store import StoreError
-    from ftsystem import metrics
-    from ftsystem.addresses import default_advertise_address
+    from ftsystem.control.store import StoreError
+    from ftsystem.measure import metrics
+    from ftsystem.control.addresses import default_advertise_address
     timeouts = _timeouts(timeout)
     os.environ[ENV_TIMEOUT] = str(timeout)
     host = advertise_address or default_advertise_address()
@@ -237,8 +237,8 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
                                                       "time between failures, e.g. 30s"),
         ) -> None:
     """Run a fault-tolerant training job here, inject failures, and report."""
-    from ftsystem.launcher import RunConfig, parse_replica_kill, run_job
-    from ftsystem.report import print_table, write_json
+    from ftsystem.launch.launcher import RunConfig, parse_replica_kill, run_job
+    from ftsystem.measure.report import print_table, write_json
     _check_id("job", job)
     _timeouts(timeout)
     if min_replicas > replicas:
@@ -248,7 +248,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         kills = [parse_replica_kill(k, replicas) for k in kill_at]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
-    from ftsystem.chaos import ChaosSpecError, parse_specs, spec_from_mapping
+    from ftsystem.chaos.spec import ChaosSpecError, parse_specs, spec_from_mapping
     try:
         specs = parse_specs(chaos.read_text()) if chaos else [spec_from_mapping(
             {"action": "kill", "schedule": {"mtbf": mtbf}, "horizon": "24h"})] if mtbf else []
@@ -261,9 +261,9 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
                     etcd=etcd, job=job, kills=kills, out_dir=out, train_args=train_args,
                     timeout_s=timeout, controller_ports=[port], netns=netns,
                     etcd_members=etcd_members, checkpoint_every=checkpoint_every)
-    from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
-    from ftsystem.netns import NetnsError
-    from ftsystem.store import StoreError
+    from ftsystem.control.etcd_server import EtcdNotInstalledError, EtcdStartError
+    from ftsystem.launch.netns import NetnsError
+    from ftsystem.control.store import StoreError
     import signal
     import sys
     # A SIGTERM unwinds like Ctrl-C, so that namespaces and processes are cleaned up.
@@ -297,9 +297,9 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
     /v1/jobs/{job}/chaos with the bearer token."""
     import asyncio
     import time
-    from ftsystem import chaos_rate
-    from ftsystem.chaos import ChaosSpecError, parse_specs, submit
-    from ftsystem.store import Store, StoreError
+    from ftsystem.chaos import rate as chaos_rate
+    from ftsystem.chaos.spec import ChaosSpecError, parse_specs, submit
+    from ftsystem.control.store import Store, StoreError
     _check_id("job", job)
     try:
         limit, window_s = chaos_rate.configured_rate()

@@ -15,7 +15,7 @@ import httpx
 
 import pytest
 
-from ftsystem.etcd_server import EmbeddedEtcd, free_port
+from ftsystem.control.etcd_server import EmbeddedEtcd, free_port
 
 T = TypeVar("T")
 API_TOKEN = "test-api-token"

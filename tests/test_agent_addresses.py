@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from conftest import wait_for
-from ftsystem import keys
-from ftsystem.etcd_server import _port_free, free_port
-from ftsystem.metrics import metrics_port
-from ftsystem.store import Store
+from ftsystem.control import keys
+from ftsystem.control.etcd_server import _port_free, free_port
+from ftsystem.measure.metrics import metrics_port
+from ftsystem.control.store import Store
 
 RANK = ("import os, time\nfrom ftsystem import metrics\n"
         "open(os.environ['OUT'], 'w').write(metrics.serve(os.environ['FTSYSTEM_HOST']))\n"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from ftsystem import metrics  # noqa: F401  (registers every metric)
+from ftsystem.measure import metrics
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 RULE_FILES = ("recording.yml", "alerts.yml")
@@ -64,4 +64,4 @@ def test_rules_and_dashboards_name_only_exported_metrics():
             for name in re.findall(r"(?<![:\w])ftsystem_[a-z_]+(?![:\w])", text)}
     assert "ftsystem_steps_committed_total" in used
     unknown = used - exported_names()
-    assert not unknown, f"not exported by ftsystem/metrics.py: {sorted(unknown)}"
+    assert not unknown, f"not exported by ftsystem/measure/metrics.py: {sorted(unknown)}"

@@ -23,9 +23,9 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error,
 
 from conftest import controller_process, wait_for
 from controller.auth import ENV_TOKEN
-from ftsystem import keys
-from ftsystem.membership import Registration, ReplicaState
-from ftsystem.store import Store
+from ftsystem.control import keys
+from ftsystem.control.membership import Registration, ReplicaState
+from ftsystem.control.store import Store
 
 pytestmark = pytest.mark.slow
 NUM_EXAMPLES = 100

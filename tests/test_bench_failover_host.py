@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ftsystem.cli import app
-from ftsystem.netns import netns_supported
+from ftsystem.launch.netns import netns_supported
 
 NETNS = netns_supported()  # None, or why namespaces cannot be made here
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftsystem import report
+from ftsystem.measure import report
 
 
 def test_the_order_of_the_systems_reverses_every_other_round() -> None:

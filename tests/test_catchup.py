@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from conftest import wait_for
-from ftsystem import keys
-from ftsystem.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, LoggedUpdate,
+from ftsystem.control import keys
+from ftsystem.training.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, LoggedUpdate,
                               Snapshotter, StateServer, UpdateLog, fetch_log, fetch_snapshot,
                               tree_tensors)
-from ftsystem.fingerprint import GENESIS
-from ftsystem.faults import FaultPoint
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
-from ftsystem.store import Store
-from ftsystem.workload import ModelConfig, TinyGPT, num_params
+from ftsystem.training.fingerprint import GENESIS
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.control.store import Store
+from ftsystem.example.workload import ModelConfig, TinyGPT, num_params
 from test_fault_tolerance import TRAIN_ARGS, assert_invariant, load_results
 
 pytestmark = pytest.mark.slow

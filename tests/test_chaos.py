@@ -14,10 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import controller_process, wait_for
-from ftsystem import keys
-from ftsystem.chaos import ChaosSpecError, expand, parse_spec, slow_pattern
+from ftsystem.control import keys
+from ftsystem.chaos.spec import ChaosSpecError, expand, parse_spec, slow_pattern
 from ftsystem.cli import app
-from ftsystem.store import Store
+from ftsystem.control.store import Store
 
 
 def test_a_full_spec_parses():

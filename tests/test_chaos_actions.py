@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ftsystem.chaos import parse_specs
-from ftsystem.launcher import RunConfig, run_job
-from ftsystem.netns import netns_supported
-from ftsystem.stall import gaps
+from ftsystem.chaos.spec import parse_specs
+from ftsystem.launch.launcher import RunConfig, run_job
+from ftsystem.launch.netns import netns_supported
+from ftsystem.measure.stall import gaps
 
 TIMEOUT_S = 9.0  # the one timeout: watchdog and lease TTL are 3 s
 

@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import API_TOKEN, controller_process
-from ftsystem import keys
-from ftsystem.chaos_rate import parse_rate
+from ftsystem.control import keys
+from ftsystem.chaos.rate import parse_rate
 from ftsystem.cli import app
-from ftsystem.store import Store
+from ftsystem.control.store import Store
 
 SPEC = "action: hang\nduration: 1s\n"
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from ftsystem.checkpoint import (
+from ftsystem.training.checkpoint import (
     MARKER,
     Checkpointer,
     Entry,
@@ -29,8 +29,8 @@ from ftsystem.checkpoint import (
     parse_entry,
     to_prune,
 )
-from ftsystem.etcd_server import free_port
-from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+from ftsystem.control.etcd_server import free_port
+from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 CFG = ModelConfig()  # the small default model: ~0.1M parameters
 # DCP announces every single-process save and load; that is what these tests do.
@@ -205,7 +205,7 @@ def test_torn_checkpoint_is_refused_and_skipped(tmp_path: Path, damage, problem:
         ckpt.load({"train": TrainingState(model, optimizer)}, step=2)
     assert re.fullmatch(rf"checkpoint {re.escape(name)} in {re.escape(str(tmp_path))} is "
                         rf"incomplete \({problem}\); delete it or load step-1", str(refused.value))
-    with caplog.at_level(logging.WARNING, logger="ftsystem.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ftsystem.training.checkpoint"):
         assert ckpt.load({"train": TrainingState(model, optimizer)}) == 1
     assert f"skipping checkpoint {name}" in caplog.text
     assert_bitwise_equal(expected[1], tensors(model, optimizer))

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ftsystem.cli import app
-from ftsystem.etcd_server import free_port
+from ftsystem.control.etcd_server import free_port
 
 runner = CliRunner()
 
@@ -92,7 +92,7 @@ def test_the_core_imports_without_the_sim_extra():
              "        if name.split('.')[0] in ('matplotlib', 'simpy'):\n"
              "            raise ImportError(name + ' is not installed')\n"
              "sys.meta_path.insert(0, Block())\n"
-             "import ftsystem.cli, ftsystem.launcher, ftsystem.train, ftsystem.hsdp\n"
+             "import ftsystem.cli, ftsystem.launch.launcher, ftsystem.example.train, ftsystem.training.hsdp\n"
              "import agent.supervisor, controller.app\n"
              "print('CORE OK')")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

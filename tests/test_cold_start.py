@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
-from ftsystem.chaos import parse_specs
-from ftsystem.checkpoint import Checkpointer
-from ftsystem.launcher import RunConfig, run_job
-from ftsystem.train import parse_args, warmup_cosine
+from ftsystem.chaos.spec import parse_specs
+from ftsystem.training.checkpoint import Checkpointer
+from ftsystem.launch.launcher import RunConfig, run_job
+from ftsystem.example.train import parse_args, warmup_cosine
 
 EVERY = 10
 TRAIN_DEFAULTS = parse_args([])

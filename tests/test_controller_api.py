@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from conftest import API_TOKEN, controller_process, wait_for
-from ftsystem import keys
-from ftsystem.membership import Registration, ReplicaState
-from ftsystem.store import Store
+from ftsystem.control import keys
+from ftsystem.control.membership import Registration, ReplicaState
+from ftsystem.control.store import Store
 
 
 STORE_ADDR, STATE_ADDR = "10.1.2.3:4567", "10.7.6.5:4321"

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from conftest import wait_for
-from ftsystem.etcd_server import free_port
-from ftsystem.faults import FaultPoint
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.control.etcd_server import free_port
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "dashboards"

@@ -34,7 +34,7 @@ from typer.testing import CliRunner
 
 from conftest import wait_for
 from ftsystem.cli import app
-from ftsystem.etcd_server import etcd_binary, free_port
+from ftsystem.control.etcd_server import etcd_binary, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -199,7 +199,7 @@ class Started(Exception):
 def check_command(argv: list[str], monkeypatch) -> dict:
     """Parse ``ftsystem ...`` with the real CLI; returns the arguments of the component's start.
 
-    Also checks the replica program after ``--`` (``python -m ftsystem.train ...``) with its own
+    Also checks the replica program after ``--`` (``python -m ftsystem.example.train ...``) with its own
     parser.
     """
     assert argv[0] == "ftsystem", argv
@@ -211,14 +211,14 @@ def check_command(argv: list[str], monkeypatch) -> dict:
 
     monkeypatch.setattr("controller.main.serve", capture)
     monkeypatch.setattr("agent.main.run_agent", capture)
-    monkeypatch.setattr("ftsystem.launcher.run_job", capture)
+    monkeypatch.setattr("ftsystem.launch.launcher.run_job", capture)
     monkeypatch.setenv("FTSYSTEM_TIMEOUT_S", "30")  # `agent` sets it; restored afterwards
     result = CliRunner().invoke(app, argv[1:])
     assert isinstance(result.exception, Started), f"{argv}:\n{result.output}{result.exception!r}"
     cfg = started.get("cfg")
     if argv[1] == "agent":
-        assert cfg.command[:3] == ["python", "-m", "ftsystem.train"], cfg.command
-        from ftsystem.train import parse_args
+        assert cfg.command[:3] == ["python", "-m", "ftsystem.example.train"], cfg.command
+        from ftsystem.example.train import parse_args
         started["train"] = parse_args(cfg.command[3:])
     return started
 
@@ -403,7 +403,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def test_every_etcd_compacts_its_history_under_a_quota_its_volume_holds():
     """The embedded etcd, compose's and Kubernetes' all compact history older than an hour and
     stop at the same 2 GiB quota; the Kubernetes volume is larger than that quota."""
-    from ftsystem.etcd_server import COMPACTION_RETENTION, QUOTA_BACKEND_BYTES, EmbeddedEtcd
+    from ftsystem.control.etcd_server import COMPACTION_RETENTION, QUOTA_BACKEND_BYTES, EmbeddedEtcd
     [statefulset] = [d for d in k8s("StatefulSet") if d["metadata"]["name"] == "etcd"]
     [container] = statefulset["spec"]["template"]["spec"]["containers"]
     started = {"compose": compose()["services"]["etcd"]["command"], "k8s": container["args"],
@@ -992,7 +992,7 @@ def test_sbatch_starts_one_agent_per_node(tmp_path, monkeypatch):
 def test_sbatch_places_spares_and_runs_your_program(tmp_path, monkeypatch):
     env = fake_slurm(tmp_path, ETCD_ENDPOINTS="http://etcd.example:2379", START_CONTROLLER="0",
                      SLURM_JOB_NUM_NODES="6", SPARES_PER_REPLICA="1")
-    run_sbatch(env, "python", "-m", "ftsystem.train", "--data-shard", "{replica}", "--steps", "9")
+    run_sbatch(env, "python", "-m", "ftsystem.example.train", "--data-shard", "{replica}", "--steps", "9")
     places = []
     for argv in agent_argvs(env):
         cfg = check_command(argv, monkeypatch)

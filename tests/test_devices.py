@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.supervisor import ENV_VISIBLE_GPUS, gpu_env_per_rank, parse_gpus
-from ftsystem.devices import cuda_device_of, device_index, local_device, use_device
+from ftsystem.training.devices import cuda_device_of, device_index, local_device, use_device
 
 
 def fake_gpus(monkeypatch, count: int) -> None:

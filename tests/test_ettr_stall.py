@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ftsystem.ettr import LiveEttr, ettr, job_timeline
-from ftsystem.stall import failure_stall, faults, normal_step_time, survivor_stall
+from ftsystem.measure.ettr import LiveEttr, ettr, job_timeline
+from ftsystem.measure.stall import failure_stall, faults, normal_step_time, survivor_stall
 
 
 def steady(start: float, n: int, step: float = 0.1, first_step: int = 1):
@@ -122,10 +122,10 @@ def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_pa
     the timeout); for the kill, the time until the epoch without the victim was published."""
     import textwrap
 
-    from ftsystem.chaos import parse_specs
-    from ftsystem.launcher import RunConfig, run_job
-    from ftsystem.runtime import HEARTBEAT_S
-    from ftsystem.timeouts import Timeouts
+    from ftsystem.chaos.spec import parse_specs
+    from ftsystem.launch.launcher import RunConfig, run_job
+    from ftsystem.training.runtime import HEARTBEAT_S
+    from ftsystem.control.timeouts import Timeouts
 
     timeout_s = 6.0
     cfg = RunConfig(num_replicas=3, num_steps=140, out_dir=tmp_path / "run",

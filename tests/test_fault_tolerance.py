@@ -20,10 +20,10 @@ import httpx
 import pytest
 
 from conftest import wait_for
-from ftsystem.etcd_server import EmbeddedEtcd, free_port
-from ftsystem.faults import FaultPoint
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
-from ftsystem.store import Store
+from ftsystem.control.etcd_server import EmbeddedEtcd, free_port
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.control.store import Store
 
 pytestmark = pytest.mark.slow
 # Slow steps keep the job running while a killed replica restarts (python + torch import).

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ftsystem.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, device_arrival
-from ftsystem.membership import Epoch
+from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, device_arrival
+from ftsystem.control.membership import Epoch
 
 DATA_DELAY_S = 0.2
 

@@ -19,14 +19,14 @@ import httpx
 import pytest
 import torch
 
-from ftsystem import keys
+from ftsystem.control import keys
 from ftsystem.halos.config import load_setup
 from ftsystem.halos.gps import GlobalServer
 from ftsystem.halos.node import FINISHED_STATUS, Header, Node, pack, unpack
 from ftsystem.halos.real import Kill, check, node_command, parse_kill
 from ftsystem.halos.realconfig import GPS, RealConfig
-from ftsystem.runtime import ReplicaContext
-from ftsystem.store import Store
+from ftsystem.training.runtime import ReplicaContext
+from ftsystem.control.store import Store
 
 FTSYSTEM = str(Path(sys.executable).with_name("ftsystem"))
 # A short run: 2 regions x 2 workers, K = 8, the paper's other hyperparameters. A local step

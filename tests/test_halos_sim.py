@@ -13,7 +13,7 @@ from ftsystem.cli import app
 from ftsystem.halos.config import DEFAULT_SETUP, SetupError, load_setup
 from ftsystem.halos.simulator import METHODS, SimConfig, simulate
 from ftsystem.halos.workload import Workload, WorkloadConfig
-from ftsystem.workload import ModelConfig
+from ftsystem.example.workload import ModelConfig
 
 torch.set_num_threads(1)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ftsystem.faults import FaultPoint
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 
 def test_a_killed_rank_restarts_its_replica_which_catches_up_shard_by_shard(tmp_path):

@@ -15,10 +15,10 @@ from typing import AsyncIterator, Callable
 import pytest
 
 from controller.leader import LeaderConfig, run_elections
-from ftsystem import keys
-from ftsystem.etcd_server import EmbeddedEtcd
-from ftsystem.membership import Epoch, Registration, ReplicaState
-from ftsystem.store import LeaseLostError, Store
+from ftsystem.control import keys
+from ftsystem.control.etcd_server import EmbeddedEtcd
+from ftsystem.control.membership import Epoch, Registration, ReplicaState
+from ftsystem.control.store import LeaseLostError, Store
 
 RENEW_S = 0.5  # as the agents renew the replica lease
 

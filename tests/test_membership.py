@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from ftsystem.ftar import plan_state_sync
-from ftsystem.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
+from ftsystem.training.ftar import plan_state_sync
+from ftsystem.control.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
                                  Registration, ReplicaState, assign_donors, decide,
                                  held_members, late_members, stale_members)
-from ftsystem.timeouts import StragglerBound, TimeoutConfigError, Timeouts
+from ftsystem.control.timeouts import StragglerBound, TimeoutConfigError, Timeouts
 
 READY, MEMBER = ReplicaState.READY, ReplicaState.MEMBER
 

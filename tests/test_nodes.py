@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from ftsystem import keys, stall
-from ftsystem.chaos import parse_specs
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
-from ftsystem.faults import parse_fault_point
-from ftsystem.netns import netns_supported
-from ftsystem.store import Store
+from ftsystem.control import keys
+
+from ftsystem.measure import stall
+from ftsystem.chaos.spec import parse_specs
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.chaos.faults import parse_fault_point
+from ftsystem.launch.netns import netns_supported
+from ftsystem.control.store import Store
 
 NETNS = netns_supported()  # None, or why namespaces cannot be made here
 TIMEOUT_S = 9.0  # the one timeout: lease TTL 3 s
@@ -236,7 +238,7 @@ def test_a_spare_takes_the_place_of_a_node_whose_agent_died(etcd, job_id, tmp_pa
     node 0 hears it fall silent, frees its rank, the spare takes it, and the replica restarts
     as a whole with the spare and trains to the end."""
     from conftest import controller_process, wait_for
-    train = [sys.executable, "-m", "ftsystem.train", "--steps", "120", "--sleep-per-step",
+    train = [sys.executable, "-m", "ftsystem.example.train", "--steps", "120", "--sleep-per-step",
              "0.02", "--out", str(tmp_path / "results")]
 
     def agent(*flags: str, name: str) -> subprocess.Popen:

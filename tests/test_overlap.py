@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ftsystem.etcd_server import free_port
-from ftsystem.faults import FaultPoint
-from ftsystem.hsdp import (ENV_BUCKET_BYTES, ENV_OVERLAP, MIN_CPU_OVERLAP_BUCKETS, _env_int,
+from ftsystem.control.etcd_server import free_port
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.training.hsdp import (ENV_BUCKET_BYTES, ENV_OVERLAP, MIN_CPU_OVERLAP_BUCKETS, _env_int,
                            overlap_by_default)
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
-from ftsystem.overlap import OverlapInvalid, OverlappedGradSum, plan_buckets
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.training.overlap import OverlapInvalid, OverlappedGradSum, plan_buckets
 
 SMALL_CAP = 1024
 """Bytes: one 16x16 float weight per bucket, so the model below has several buckets."""

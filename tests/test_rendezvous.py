@@ -8,7 +8,7 @@ import pytest
 from agent.pulse import DONE, ENDED, PeerView
 from agent.rendezvous import (Generation, Layout, RendezvousError, check_layout,
                               check_node_rank, check_replica, rank_env, replica_env)
-from ftsystem.chaos import ChaosSpecError, expand, spec_from_mapping
+from ftsystem.chaos.spec import ChaosSpecError, expand, spec_from_mapping
 
 GEN = Generation(number=4, lease=7, master_addr="10.0.0.2", master_port=29500,
                  agents=("a", "b", "c"))

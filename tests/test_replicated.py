@@ -7,11 +7,11 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ftsystem.faults import FaultPoint, FaultSchedule, parse_fault_point
-from ftsystem.fingerprint import (GENESIS, chain_next, from_words, judge, state_digest,
+from ftsystem.chaos.faults import FaultPoint, FaultSchedule, parse_fault_point
+from ftsystem.training.fingerprint import (GENESIS, chain_next, from_words, judge, state_digest,
                                   to_words)
-from ftsystem.ftar import plan_state_sync
-from ftsystem.replicated import (Batches, RegistrationError, ReplicatedObjects, RNGState)
+from ftsystem.training.ftar import plan_state_sync
+from ftsystem.training.replicated import (Batches, RegistrationError, ReplicatedObjects, RNGState)
 
 # torchdata 0.11 calls a torch API that torch has deprecated since.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

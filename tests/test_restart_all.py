@@ -19,8 +19,8 @@ from ftsystem.baselines.restart_all import (
     summarize,
     torchrun_command,
 )
-from ftsystem.chaos import Order
-from ftsystem.netns import netns_supported
+from ftsystem.chaos.spec import Order
+from ftsystem.launch.netns import netns_supported
 from tests.conftest import wait_for
 
 CHECKPOINT_EVERY = 10

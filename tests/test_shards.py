@@ -7,10 +7,10 @@ import io
 
 import torch
 
-from ftsystem.catchup import tree_tensors
-from ftsystem.shards import (flat_grads, grads_as_views, load_local_state, local_state,
+from ftsystem.training.catchup import tree_tensors
+from ftsystem.training.shards import (flat_grads, grads_as_views, load_local_state, local_state,
                              release_grads)
-from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 LANGUAGE = MarkovLanguage()
 

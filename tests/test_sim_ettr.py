@@ -201,7 +201,7 @@ def test_host_stall_takes_the_multi_node_layout_and_falls_back_to_the_timeout() 
     assumed = si.host_stall_input(None, "", timeout_s=30.0)
     assert assumed.value_s == 30.0 and assumed.kind == si.ASSUMED
     assert "timeout" in assumed.source
-    from ftsystem.runtime import DEFAULT_TIMEOUT_S
+    from ftsystem.training.runtime import DEFAULT_TIMEOUT_S
     assert si.DEFAULT_TIMEOUT_S == DEFAULT_TIMEOUT_S
 
 

@@ -16,10 +16,10 @@ import pytest
 
 from conftest import wait_for
 from controller.status_page import render_page
-from ftsystem import keys
-from ftsystem.etcd_server import free_port
-from ftsystem.faults import FaultPoint
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.control import keys
+from ftsystem.control.etcd_server import free_port
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 CHROMIUM = Path("/usr/bin/chromium")
 SAVE_SCREENSHOT_ENV = "FTSYSTEM_SAVE_SCREENSHOT"

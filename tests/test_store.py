@@ -1,4 +1,4 @@
-"""ftsystem.store against a real etcd on loopback."""
+"""ftsystem.control.store against a real etcd on loopback."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ftsystem.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, etcd_binary, free_port
-from ftsystem.store import LeaseLostError, Store, StoreUnavailableError, parse_endpoints
+from ftsystem.control.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, etcd_binary, free_port
+from ftsystem.control.store import LeaseLostError, Store, StoreUnavailableError, parse_endpoints
 
 
 def run(coro):

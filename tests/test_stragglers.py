@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
-from ftsystem import stall
-from ftsystem.chaos import parse_specs
-from ftsystem.launcher import RunConfig, run_job
-from ftsystem.timeouts import Timeouts
+from ftsystem.measure import stall
+from ftsystem.chaos.spec import parse_specs
+from ftsystem.launch.launcher import RunConfig, run_job
+from ftsystem.control.timeouts import Timeouts
 
 TIMEOUT_S = 60.0  # the watchdog would restart a hung replica after 20 s
 

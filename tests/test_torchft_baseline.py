@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.futures
 
-from ftsystem import train
+from ftsystem.example import train
 from ftsystem.baselines.torchft_replica import (
     BATCH_SIZE,
     LEARNING_RATE,

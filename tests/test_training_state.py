@@ -1,7 +1,7 @@
 """The whole training state of a real loop, end to end: registered objects travel, catch-up
 replays the user's step function, divergence is found and repaired or stops the job.
 
-The loop is ``ftsystem.train``: AdamW, a warmup+cosine ``LambdaLR``, a ``GradScaler``,
+The loop is ``ftsystem.example.train``: AdamW, a warmup+cosine ``LambdaLR``, a ``GradScaler``,
 clipping of the averaged gradient, dropout, a torchdata ``StatefulDataLoader``. Real etcd,
 agents, controllers and replica processes; kills are real SIGKILLs at exact fault points.
 ``state_hash`` covers parameters, optimizer state, scheduler, scaler and loader position.
@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from conftest import controller_process
-from ftsystem.faults import FaultPoint
-from ftsystem.launcher import ReplicaKill, RunConfig, run_job
+from ftsystem.chaos.faults import FaultPoint
+from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 
 def train_command(index: int) -> list[str]:
     """The replica's program: replica r<i> reads data shard i (each rank of it a part)."""
-    return ["python", "-m", "ftsystem.train", "--steps", "3000", "--data-shard", str(index),
+    return ["python", "-m", "ftsystem.example.train", "--steps", "3000", "--data-shard", str(index),
             "--sleep-per-step", "0.05", "--out", "/data/results"]
 
 

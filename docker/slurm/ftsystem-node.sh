@@ -46,7 +46,7 @@ main() {
     : "${SLURM_NODEID:?run this through srun (docker/slurm/ftsystem.sbatch)}"
     : "${ETCD_ENDPOINTS:?set ETCD_ENDPOINTS}" "${JOB_ID:?set JOB_ID}"
     : "${NODES_PER_REPLICA:?set NODES_PER_REPLICA}" "${NPROC_PER_NODE:?set NPROC_PER_NODE}"
-    (($# > 0)) || fail "no program given: $0 PROGRAM ARGS... (e.g. python -m ftsystem.train)"
+    (($# > 0)) || fail "no program given: $0 PROGRAM ARGS... (e.g. python -m ftsystem.example.train)"
     local slots=$((NODES_PER_REPLICA + ${SPARES_PER_REPLICA:-0}))
     local replica=$((SLURM_NODEID / slots)) slot=$((SLURM_NODEID % slots))
     local place=(--node-rank "$slot")

@@ -6,7 +6,7 @@ process per node training plain DDP over Gloo (``restart_all_worker``). When any
 every agent tears its workers down and the whole group meets again in a new rendezvous round;
 the new workers reload the last checkpoint, so the steps after it are computed again.
 
-Failure injection, from :class:`ftsystem.chaos.Order` s naming replicas ``r0..rN-1`` (node i):
+Failure injection, from :class:`ftsystem.chaos.spec.Order` s naming replicas ``r0..rN-1`` (node i):
 
 - ``kill``: SIGKILL the node's worker; its agent and then all others restart the group;
 - ``hang``: SIGSTOP the worker for the order's duration, then SIGCONT; the peers notice through
@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Self
 
 import ftsystem
-from ftsystem import ettr, stall
+from ftsystem.measure import ettr, stall
 from ftsystem.baselines import restart_all_worker as worker
-from ftsystem.chaos import ChaosSpec, Order, expand
-from ftsystem.launcher import replica_id
-from ftsystem.netns import IFACE, Host, HostNetwork
-from ftsystem.procs import die_with_parent, kill_and_reap
-from ftsystem.stall import Timeline, read_timeline
-from ftsystem.timeouts import Timeouts
+from ftsystem.chaos.spec import ChaosSpec, Order, expand
+from ftsystem.launch.launcher import replica_id
+from ftsystem.launch.netns import IFACE, Host, HostNetwork
+from ftsystem.launch.procs import die_with_parent, kill_and_reap
+from ftsystem.measure.stall import Timeline, read_timeline
+from ftsystem.control.timeouts import Timeouts
 
 POLL_S = 0.2
 # torchrun agents leave together (an exit barrier); one still running this long after another
@@ -74,7 +74,7 @@ class RestartAllConfig:
     max_restarts: int = 100
     """torchrun ``--max-restarts``: worker-group restarts before the job fails."""
     timeout_s: float = 30.0
-    """The one timeout, as ftsystem's ``--timeout`` (``ftsystem.timeouts``): the longest a hung
+    """The one timeout, as ftsystem's ``--timeout`` (``ftsystem.control.timeouts``): the longest a hung
     or cut-off peer may stall the group."""
     startup_timeout_s: float = 120.0
     """How long ranks wait for each other when a generation starts (imports, checkpoint)."""

@@ -2,7 +2,7 @@
 
 Run by ``torchrun`` (one process per node), never by hand; ``restart_all`` builds the command.
 It trains the same TinyGPT on the same Markov language, batch size, learning rate and optimizer
-as ``ftsystem.train``, averaging gradients with ``DistributedDataParallel``. Rank 0 writes a
+as ``ftsystem.example.train``, averaging gradients with ``DistributedDataParallel``. Rank 0 writes a
 checkpoint every ``--checkpoint-every`` steps (to a temporary name, then renamed, so a kill
 mid-write never leaves a torn file) and every generation starts from the newest one: the steps
 after it are computed again. That is the recovery model the baseline stands for.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 ENV_NODE = "FTSYSTEM_NODE"
 CHECKPOINT = "checkpoint.pt"
@@ -104,7 +104,7 @@ def training_group(timeout_s: float) -> dist.ProcessGroup:
 
 
 def build(args: argparse.Namespace) -> tuple[TinyGPT, torch.optim.Optimizer, MarkovLanguage]:
-    """The model, optimizer and data of ``ftsystem.train``, from the same seed."""
+    """The model, optimizer and data of ``ftsystem.example.train``, from the same seed."""
     torch.manual_seed(args.seed)
     cfg = ModelConfig.for_params(args.model_params) if args.model_params else ModelConfig()
     model = TinyGPT(cfg)
@@ -177,10 +177,10 @@ def write_result(path: Path, model: TinyGPT, language: MarkovLanguage, step: int
 
 
 def _eval_loss(model: TinyGPT, language: MarkovLanguage) -> float:
-    """ftsystem.train's held-out loss; rank 0 only, as every rank holds the same model."""
-    # Imported here, not at the top: ftsystem.train pulls in torchft (1.5 s here), which
+    """ftsystem.example.train's held-out loss; rank 0 only, as every rank holds the same model."""
+    # Imported here, not at the top: ftsystem.example.train pulls in torchft (1.5 s here), which
     # every restart would pay for nothing.
-    from ftsystem.train import eval_loss
+    from ftsystem.example.train import eval_loss
     return eval_loss(model, language)
 
 

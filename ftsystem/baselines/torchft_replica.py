@@ -7,7 +7,7 @@ The loop is torchft's documented one: ``start_quorum()`` per step, gradients ave
 ``Manager.allreduce``, ``should_commit()`` gates ``optimizer.step()``. The gradients go as one
 flat buffer in one all-reduce, as ftsystem sends them, and the model, batch size, learning rate,
 optimizer and data are those of ftsystem's example program in its plain loop
-(``ftsystem.train --loop plain``), so that the two differ only in the fault tolerance. A restarted replica heals from a healthy peer through the Manager's
+(``ftsystem.example.train --loop plain``), so that the two differ only in the fault tolerance. A restarted replica heals from a healthy peer through the Manager's
 ``state_dict``/``load_state_dict`` callbacks (HTTP checkpoint transport, torchft's default).
 
 torchft's ``DistributedDataParallel`` wrapper is not used: in 0.2.0 its comm hook asserts on
@@ -35,8 +35,8 @@ import typer
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
-from ftsystem import train as ftsystem_train
-from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
+from ftsystem.example import train as ftsystem_train
+from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 # Manager.allreduce and should_commit give up after this. A SIGKILLed peer is noticed at once
 # (its sockets close), so this only bounds a hung peer or an all-reduce stuck behind a survivor

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 import ftsystem
 from ftsystem.baselines import torchft_replica
 from ftsystem.baselines.torchft_replica import progress_path
-from ftsystem.etcd_server import free_port
-from ftsystem.procs import kill_and_reap, wait_listening
+from ftsystem.control.etcd_server import free_port
+from ftsystem.launch.procs import kill_and_reap, wait_listening
 
 # How long the lighthouse keeps counting a silent replica as alive. After a SIGKILL the
 # survivors' next quorum waits for this expiry whenever the join timeout cannot cut it short

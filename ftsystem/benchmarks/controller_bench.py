@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Optional
 import typer
 
 from ftsystem.cli import ETCD_HELP, _fail, bench_app
-from ftsystem.timeouts import NODE_LEASE_RENEW_S, NODE_LEASE_TTL_S, Timeouts
+from ftsystem.control.timeouts import NODE_LEASE_RENEW_S, NODE_LEASE_TTL_S, Timeouts
 
 if TYPE_CHECKING:
-    from ftsystem.membership import Epoch
-    from ftsystem.store import Store
+    from ftsystem.control.membership import Epoch
+    from ftsystem.control.store import Store
 
 TARGET_P99_S = 0.1
 """The issue's target: p99 decision latency at most 100 ms at 2,048 replicas."""
@@ -89,7 +89,7 @@ def _etcd(url: str | None, workdir: Path) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    from ftsystem.etcd_server import EmbeddedEtcd
+    from ftsystem.control.etcd_server import EmbeddedEtcd
     with EmbeddedEtcd(data_dir=workdir / "etcd") as server:
         yield server.url
 
@@ -110,7 +110,7 @@ async def _controller(mode: ControllerMode, url: str, job: str, workdir: Path
 @asynccontextmanager
 async def _controller_subprocess(url: str, job: str, log_path: Path
                                  ) -> AsyncIterator[tuple[Callable[[], None], str, int]]:
-    from ftsystem.etcd_server import free_port
+    from ftsystem.control.etcd_server import free_port
     port = free_port()
     cmd = [sys.executable, "-c", "from ftsystem.cli import main; main()", "controller",
            "--etcd", url, "--job", job, "--port", str(port), "--bind", "127.0.0.1"]
@@ -138,7 +138,7 @@ async def _controller_subprocess(url: str, job: str, log_path: Path
 async def _controller_task(url: str, job: str
                            ) -> AsyncIterator[tuple[Callable[[], None], None, None]]:
     from controller.leader import LeaderConfig, run_elections
-    from ftsystem.store import Store
+    from ftsystem.control.store import Store
     store = Store(url)
     await store.connect()
     cfg = LeaderConfig(job=job, instance_id=f"bench-{os.getpid()}")
@@ -168,7 +168,7 @@ class EpochWatcher:
     """Follows the epoch key on its own connection, timestamping each epoch once decoded."""
 
     def __init__(self, store: Store, job: str) -> None:
-        from ftsystem import keys
+        from ftsystem.control import keys
         self.store, self.key = store, keys.epoch(job)
         self.queue: asyncio.Queue[tuple[float, Epoch]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -185,7 +185,7 @@ class EpochWatcher:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _follow(self, start_revision: int) -> None:
-        from ftsystem.membership import Epoch
+        from ftsystem.control.membership import Epoch
         async for event in self.store.watch_prefix(self.key, start_revision=start_revision):
             if event.key == self.key and event.kind == "PUT":
                 epoch = Epoch.from_json(event.value)
@@ -221,8 +221,8 @@ class Replicas:
         self.metrics_addrs = {rid: f"127.0.0.1:{40000 + i}" for i, rid in enumerate(self.ids)}
 
     async def register(self, rid: str) -> None:
-        from ftsystem import keys
-        from ftsystem.membership import Registration, ReplicaState
+        from ftsystem.control import keys
+        from ftsystem.control.membership import Registration, ReplicaState
         lease = await self.store.grant(self.cfg.lease_ttl_s)
         reg = Registration(replica_id=rid, state=ReplicaState.READY,
                            generation=self.generations[rid], host="127.0.0.1",
@@ -260,8 +260,8 @@ class Replicas:
 
 async def measure(cfg: BenchConfig, url: str, workdir: Path) -> dict:
     """Register, wait for the full epoch, then time ``num_revokes`` removals; seconds."""
-    from ftsystem import keys
-    from ftsystem.store import Store
+    from ftsystem.control import keys
+    from ftsystem.control.store import Store
     job = f"bench-controller-{os.getpid()}"
     async with Store(url) as store, Store(url) as watch_store:
         await store.put_json(keys.spec(job), {"replicas": cfg.num_replicas, "min_replicas": 1})
@@ -637,7 +637,7 @@ class BatchedKeepAlives:
 
     def __init__(self, url: str, on_reply: Callable[[int, int], None],
                  num_streams: int = 64) -> None:
-        from ftsystem.store import parse_endpoints
+        from ftsystem.control.store import parse_endpoints
         self.endpoint = parse_endpoints(url)[0]
         self.on_reply, self.num_streams = on_reply, num_streams
         self.restarts = 0
@@ -859,7 +859,7 @@ class PerCallKeepAlives:
 
     def __init__(self, url: str, on_reply: Callable[[int, int], None],
                  max_in_flight: int = 256) -> None:
-        from ftsystem.store import parse_endpoints
+        from ftsystem.control.store import parse_endpoints
         self.endpoint = parse_endpoints(url)[0]
         self.on_reply = on_reply
         self._limit = asyncio.Semaphore(max_in_flight)
@@ -933,7 +933,7 @@ class NodeAgents:
 
     async def start(self) -> dict:
         """Every agent up, keep-alives running, reactions armed; the leases for the bench."""
-        from ftsystem import keys
+        from ftsystem.control import keys
         await self.keepalives.open()
         self._background(self.keepalives.reader_task)
         self._background(asyncio.create_task(self._keep_alive_loop()))
@@ -956,7 +956,7 @@ class NodeAgents:
         await self._start_generation(r)
 
     async def _start_node(self, r: SimReplica, rank: int) -> None:
-        from ftsystem import keys
+        from ftsystem.control import keys
         async with self.limit:
             lease = await self.store.grant(self.cfg.node_lease_ttl_s)
             self._hold(lease, self.cfg.node_keepalive_s)
@@ -967,8 +967,8 @@ class NodeAgents:
 
     async def _start_generation(self, r: SimReplica) -> None:
         """Node rank 0 opens a generation: the replica lease, then the registration."""
-        from ftsystem import keys
-        from ftsystem.membership import ReplicaState
+        from ftsystem.control import keys
+        from ftsystem.control.membership import ReplicaState
         async with self.limit:
             r.lease = await self.store.grant(self.cfg.lease_ttl_s)
             self._hold(r.lease, self.cfg.replica_keepalive_s)
@@ -979,13 +979,13 @@ class NodeAgents:
         r.progress = asyncio.create_task(self._progress(r))
 
     async def _write_generation(self, r: SimReplica, *, running: bool) -> None:
-        from ftsystem import keys
+        from ftsystem.control import keys
         await self.store.put_json(keys.generation(self.cfg.job, r.rid),
                                   {"generation": r.generation, "replica_lease": r.lease,
                                    "running": running})
 
     def _registration(self, r: SimReplica, state: str) -> str:
-        from ftsystem.membership import Registration
+        from ftsystem.control.membership import Registration
         return Registration(replica_id=r.rid, state=state, generation=r.generation,
                             step=r.step, host="127.0.0.1", pid=os.getpid(), lease=r.lease,
                             store_addr=f"127.0.0.1:{20000 + r.index}",
@@ -993,9 +993,9 @@ class NodeAgents:
 
     async def _progress(self, r: SimReplica) -> None:
         """Rank 0's rate-limited progress: the registration rewritten with the step."""
-        from ftsystem import keys
-        from ftsystem.membership import ReplicaState
-        from ftsystem.store import StoreError
+        from ftsystem.control import keys
+        from ftsystem.control.membership import ReplicaState
+        from ftsystem.control.store import StoreError
         while True:
             await asyncio.sleep(self.cfg.progress_s)
             r.step += 1
@@ -1037,7 +1037,7 @@ class NodeAgents:
 
     async def _react(self, rid: str, start_revision: int) -> None:
         """A replica's agents watch its node records: one that disappears ends the generation."""
-        from ftsystem import keys
+        from ftsystem.control import keys
         async for event in self.store.watch_prefix(keys.replica_agents(self.cfg.job, rid),
                                                    start_revision=start_revision):
             if event.kind == "DELETE":
@@ -1106,7 +1106,7 @@ def node_worker_main() -> None:
 
 async def _worker() -> None:
     import json
-    from ftsystem.store import Store
+    from ftsystem.control.store import Store
     reader = asyncio.StreamReader(limit=1 << 24)
     await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -1190,7 +1190,7 @@ async def _fleet(cfg: NodesConfig, url: str, job: str, ids: list[str], workdir: 
                  ) -> AsyncIterator[Fleet]:
     import json
     from dataclasses import asdict
-    from ftsystem.procs import die_with_parent
+    from ftsystem.launch.procs import die_with_parent
     generators = []
     code = "from ftsystem.benchmarks.controller_bench import node_worker_main; node_worker_main()"
     try:
@@ -1225,8 +1225,8 @@ async def _fleet(cfg: NodesConfig, url: str, job: str, ids: list[str], workdir: 
 
 async def measure_nodes(cfg: NodesConfig, url: str, workdir: Path) -> dict:
     """Start the agents, measure a steady window, then end ``num_samples`` leases per kind."""
-    from ftsystem import keys
-    from ftsystem.store import Store
+    from ftsystem.control import keys
+    from ftsystem.control.store import Store
     job = f"bench-nodes-{os.getpid()}"
     ids = [f"r{i:05d}" for i in range(cfg.num_replicas)]
     async with Store(url) as store, Store(url) as watch_store:
@@ -1289,7 +1289,7 @@ async def _run_nodes(cfg: NodesConfig, url: str, job: str, store: Store, watcher
 
 async def _missing_registrations(store: Store, job: str, ids: list[str]) -> str:
     """Why a first epoch never came: registrations whose lease lapsed during startup."""
-    from ftsystem import keys
+    from ftsystem.control import keys
     items, _ = await store.get_prefix(keys.replicas(job))
     missing = sorted(set(ids) - {keys.last_segment(k) for k in items})
     return (f"not registered: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
@@ -1300,7 +1300,7 @@ async def _missing_registrations(store: Store, job: str, ids: list[str]) -> str:
 async def _etcd_metrics_text(url: str) -> str:
     """etcd's own Prometheus metrics, from the first endpoint (metrics are per member)."""
     import httpx
-    from ftsystem.store import parse_endpoints
+    from ftsystem.control.store import parse_endpoints
     async with httpx.AsyncClient(base_url=str(parse_endpoints(url)[0]), timeout=30) as client:
         response = await client.get("/metrics")
         response.raise_for_status()
@@ -1500,7 +1500,7 @@ def nodes_result(cfg: NodesConfig, raw: dict) -> dict:
 
 
 def _print_nodes(result: dict) -> None:
-    from ftsystem.report import print_table
+    from ftsystem.measure.report import print_table
     c, e, load = result["config"], result["etcd"], result["load"]
 
     def row(name: str, s: dict | None) -> tuple:
@@ -1560,7 +1560,7 @@ def with_rounds(runs: list[dict], figures: dict[str, str]) -> dict:
     """The first round's result, in the shape one round gives, with each of ``figures``' median
     and min/max over every round (``over_rounds``) and the later rounds in full. One system
     runs here, so there is no order to alternate."""
-    from ftsystem import report
+    from ftsystem.measure import report
     return runs[0] | {"rounds": len(runs), "over_rounds": report.per_round(runs, figures),
                       "later_rounds": runs[1:]}
 
@@ -1605,8 +1605,8 @@ def controller_bench(
                                         "aetcd's refresh_lease)"),
 ) -> None:
     """Membership decision latency: lease revoked -> epoch without the replica seen."""
-    from ftsystem.report import machine, write_json
-    from ftsystem.store import StoreError, parse_endpoints
+    from ftsystem.measure.report import machine, write_json
+    from ftsystem.control.store import StoreError, parse_endpoints
     if etcd is not None:
         try:
             parse_endpoints(etcd)
@@ -1650,7 +1650,7 @@ def controller_bench(
 
 
 def _print(result: dict) -> None:
-    from ftsystem.report import print_table
+    from ftsystem.measure.report import print_table
     d, j = result["decision_latency_s"], result["join_latency_s"]
     print_table(f"controller ({result['controller']}), {result['replicas']} replicas, "
                 f"{result['revokes']} revokes",

@@ -7,10 +7,10 @@ reload): the same model, data, batch, optimizer, number of replicas and emulated
 Each system expands the spec from its own launch, so both see the same faults at the same
 offsets on the same replicas.
 
-Both ETTRs come from ``ftsystem.ettr`` over the same window: from the system's first commit to
+Both ETTRs come from ``ftsystem.measure.ettr`` over the same window: from the system's first commit to
 its launch plus ``--duration`` (the schedule's horizon); commits after it, free of faults, are
 not counted. The baseline's commits count once, in the lineage that survived (steps rolled back
-by a restart are lost work). Both systems' stalls come from ``ftsystem.stall``, from each
+by a restart are lost work). Both systems' stalls come from ``ftsystem.measure.stall``, from each
 fault's instant (the execution of its order) to the survivors' next commit, less a normal step.
 
 Both run at the same one timeout (``--timeout``, ftsystem's default 30 s), with the same
@@ -33,11 +33,11 @@ from typing import Annotated
 
 import typer
 
-from ftsystem import ettr, report, stall
-from ftsystem.chaos import ChaosSpec, expand, parse_duration, spec_from_mapping
+from ftsystem.measure import ettr, report, stall
+from ftsystem.chaos.spec import ChaosSpec, expand, parse_duration, spec_from_mapping
 from ftsystem.cli import bench_app
-from ftsystem.launcher import replica_id
-from ftsystem.stall import Timeline, normal_step_time, read_timeline
+from ftsystem.launch.launcher import replica_id
+from ftsystem.measure.stall import Timeline, normal_step_time, read_timeline
 
 QUICK_DURATION_S = 60.0
 BOTH_DO = ("kill", "hang", "partition")
@@ -168,7 +168,7 @@ def run_ftsystem(*, spec: ChaosSpec, first_offset_s: float, num_replicas: int,
                  duration_s: float, timeout_s: float, num_steps: int, netns: bool,
                  train_args: list[str], workdir: Path) -> dict:
     """ftsystem under ``spec`` for ``num_steps``; measured over the window of ``duration_s``."""
-    from ftsystem.launcher import RunConfig, run_job
+    from ftsystem.launch.launcher import RunConfig, run_job
     cfg = RunConfig(num_replicas=num_replicas, num_steps=num_steps, chaos=spec, netns=netns,
                     timeout_s=timeout_s, out_dir=workdir, train_args=train_args,
                     show_progress=False, job="ettr")
@@ -225,8 +225,8 @@ def _fail(message: str) -> typer.Exit:
 
 def _checked_spec(actions: str, duration_s: float, mtbf: str, fault: str, seed: int,
                   timeout_s: float) -> ChaosSpec:
-    from ftsystem.chaos import ChaosSpecError
-    from ftsystem.timeouts import TimeoutConfigError, Timeouts
+    from ftsystem.chaos.spec import ChaosSpecError
+    from ftsystem.control.timeouts import TimeoutConfigError, Timeouts
     chosen = [a.strip() for a in actions.split(",") if a.strip()]
     if unsupported := sorted(set(chosen) - set(BOTH_DO)):
         raise typer.BadParameter(f"{', '.join(unsupported)}: the bench mixes only what both "
@@ -281,9 +281,9 @@ def ettr_bench(
         raise _fail(f"partition needs network namespaces, and here {reason}: run as root, "
                     "or leave partition out of --actions")
     plan = schedule(spec, replicas)
-    from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
-    from ftsystem.netns import NetnsError
-    from ftsystem.store import StoreError
+    from ftsystem.control.etcd_server import EtcdNotInstalledError, EtcdStartError
+    from ftsystem.launch.netns import NetnsError
+    from ftsystem.control.store import StoreError
     try:
         runs = _run_rounds(spec, plan, rounds=rounds, replicas=replicas, duration_s=duration,
                            timeout_s=timeout, checkpoint_every=checkpoint_every, netns=netns,
@@ -365,7 +365,7 @@ def round_ratios(ours: list[dict], theirs: list[dict]) -> dict:
 
 
 def _netns_problem() -> str | None:
-    from ftsystem.netns import netns_supported
+    from ftsystem.launch.netns import netns_supported
     return netns_supported()
 
 

@@ -2,7 +2,7 @@
 
 One invocation runs the same scenario on both systems: 4 replicas of the same model, step time
 and data; one replica (the victim) fails at a fixed interval. Stall = from the failure's
-instant to the survivors' next commit, minus their normal step time (``ftsystem.stall``).
+instant to the survivors' next commit, minus their normal step time (``ftsystem.measure.stall``).
 
 ``--scenario process`` (default): the victim's training process is SIGKILLed from outside, on
 loopback, each time after it has rejoined; its agent lives on and reports the exit. torchft
@@ -37,12 +37,14 @@ from typing import Optional
 
 import typer
 
-from ftsystem import keys, report, stall
-from ftsystem.chaos import ChaosSpec
+from ftsystem.control import keys
+
+from ftsystem.measure import report, stall
+from ftsystem.chaos.spec import ChaosSpec
 from ftsystem.cli import bench_app
-from ftsystem.etcd_server import EmbeddedEtcd
-from ftsystem.launcher import RunConfig, replica_id, run_job
-from ftsystem.store import Store
+from ftsystem.control.etcd_server import EmbeddedEtcd
+from ftsystem.launch.launcher import RunConfig, replica_id, run_job
+from ftsystem.control.store import Store
 
 VICTIM = 1
 WARMUP_STEPS = 20
@@ -399,7 +401,7 @@ def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: flo
                    sleep_per_step: float, model_params: int, layouts: list[int],
                    skip_torchft: bool, workdir: Optional[Path], steps: int = 0) -> dict:
     """Every system of the host scenario, ``rounds`` times, the order alternated per round."""
-    from ftsystem.netns import netns_supported
+    from ftsystem.launch.netns import netns_supported
     if (why := netns_supported()) is not None:
         raise RuntimeError(f"bench failover --scenario host: {why}")
     layouts = list(dict.fromkeys(layouts)) or [1]

@@ -2,8 +2,8 @@
 
 Every ``FTSYSTEM_FINGERPRINT_EVERY`` committed steps (default 100) each replica hashes its whole
 state (parameters, AdamW's two slots, hyperparameters) with
-:func:`ftsystem.fingerprint.state_digest` and all-reduces the 16-byte digest with the other
-members. This bench times, for one replica built as ``ftsystem.train`` builds it (its defaults:
+:func:`ftsystem.training.fingerprint.state_digest` and all-reduces the 16-byte digest with the other
+members. This bench times, for one replica built as ``ftsystem.example.train`` builds it (its defaults:
 batch, learning rate, dropout; one compute thread):
 
 - a training step: forward and backward on a ``MarkovLanguage`` batch, then ``optimizer.step()``;
@@ -28,7 +28,7 @@ from typing import Annotated
 
 import typer
 
-from ftsystem import report
+from ftsystem.measure import report
 from ftsystem.benchmarks import overhead
 from ftsystem.cli import bench_app
 
@@ -64,13 +64,13 @@ def summarize(rounds: Sequence[Mapping[str, Sequence[float]]], everies: Sequence
 # --- one replica ------------------------------------------------------------------------------
 
 class _Replica:
-    """A model, its AdamW and a few batches, as ``ftsystem.train`` builds them by default."""
+    """A model, its AdamW and a few batches, as ``ftsystem.example.train`` builds them by default."""
 
     def __init__(self, params: int) -> None:
         import torch
 
-        from ftsystem.train import parse_args
-        from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+        from ftsystem.example.train import parse_args
+        from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
         args = parse_args(["--model-params", str(params)])
         torch.manual_seed(args.seed)
@@ -90,7 +90,7 @@ class _Replica:
 
     def state(self) -> dict:
         """What a replica digests (no registered objects here)."""
-        from ftsystem.shards import local_state
+        from ftsystem.training.shards import local_state
 
         return {**local_state(self.model, self.optimizer), "step": 0}
 
@@ -106,9 +106,9 @@ def _timed(fn: Callable[[], object], times: int) -> list[float]:
 
 def measure(params: int, *, rounds: int, everies: Sequence[int]) -> dict:
     """One size: ``rounds`` rounds of step and digest timings, in alternating order."""
-    from ftsystem.catchup import tree_tensors
-    from ftsystem.fingerprint import state_digest
-    from ftsystem.workload import num_params
+    from ftsystem.training.catchup import tree_tensors
+    from ftsystem.training.fingerprint import state_digest
+    from ftsystem.example.workload import num_params
 
     replica = _Replica(params)
     for i in range(WARMUP_STEPS):  # first allocations; AdamW's slots exist from here on
@@ -138,7 +138,7 @@ def fingerprint(
     Quick: --sizes 200K --rounds 1."""
     import torch
 
-    from ftsystem.hsdp import DEFAULT_FINGERPRINT_EVERY
+    from ftsystem.training.hsdp import DEFAULT_FINGERPRINT_EVERY
 
     try:
         params_list = overhead.parse_sizes(sizes)
@@ -146,7 +146,7 @@ def fingerprint(
         raise typer.BadParameter(str(e), param_hint="--sizes") from e
     everies = sorted({DEFAULT_FINGERPRINT_EVERY, *OTHER_EVERIES})
     load_before, threads = os.getloadavg(), torch.get_num_threads()
-    torch.set_num_threads(1)  # as ftsystem.train and the other benches: one core per replica
+    torch.set_num_threads(1)  # as ftsystem.example.train and the other benches: one core per replica
     try:
         models = [measure(p, rounds=rounds, everies=everies) for p in params_list]
     finally:

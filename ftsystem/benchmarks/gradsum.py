@@ -7,7 +7,7 @@ training step with each of:
   during backward);
 - ``flat``: backward, then every gradient in one buffer, one all-reduce on a torchft
   ``ProcessGroupGloo``: what ``FTReplica.commit`` does without overlap;
-- ``overlap``: :class:`ftsystem.overlap.OverlappedGradSum`, buckets of that buffer all-reduced
+- ``overlap``: :class:`ftsystem.training.overlap.OverlappedGradSum`, buckets of that buffer all-reduced
   on the same group while backward runs: ``FTReplica.commit`` with overlap;
 - ``local``: no communication at all, the compute floor.
 
@@ -33,7 +33,7 @@ from typing import Annotated
 
 import typer
 
-from ftsystem import report
+from ftsystem.measure import report
 # The module, not its names: run as a rank (python -m), this module imports ftsystem.cli, which
 # imports overhead, which imports ftsystem.cli back, which imports this module (by its own
 # name) while overhead is still half-initialized.
@@ -85,9 +85,9 @@ def rank_main(*, rank: int, world_size: int, params: int, cycles: int, steps_per
     import torch
     import torch.distributed as dist
 
-    from ftsystem.workload import num_params
+    from ftsystem.example.workload import num_params
 
-    torch.set_num_threads(1)  # as ftsystem.train and the overhead bench: one core per rank
+    torch.set_num_threads(1)  # as ftsystem.example.train and the overhead bench: one core per rank
     dist.init_process_group("gloo", init_method=overhead.rendezvous_file(out).as_uri(), rank=rank,
                             world_size=world_size)
     store, pg = _torchft_group(rank, world_size)
@@ -143,7 +143,7 @@ class _Model:
         import torch
 
         from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
-        from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+        from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
         torch.manual_seed(SEED)
         self.rank = rank
@@ -166,8 +166,8 @@ def _step_functions(rank: int, world_size: int, params: int, bucket_bytes: int, 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ftsystem.overlap import DEFAULT_BUCKET_CAP_BYTES, OverlappedGradSum
-    from ftsystem.shards import flat_grads, grads_as_views, release_grads
+    from ftsystem.training.overlap import DEFAULT_BUCKET_CAP_BYTES, OverlappedGradSum
+    from ftsystem.training.shards import flat_grads, grads_as_views, release_grads
 
     class Loss(torch.nn.Module):
         """DDP reduces the gradients of what runs through its forward: make that the loss."""

@@ -15,7 +15,7 @@ optimizer and number of replicas (one process each, one compute thread each) on 
   (``ftsystem bench fingerprint`` times the digest alone);
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
 
-Every system runs the same minimal loop (``ftsystem.train --loop plain``: averaged gradients,
+Every system runs the same minimal loop (``ftsystem.example.train --loop plain``: averaged gradients,
 then ``optimizer.step()``), as the baselines do.
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
@@ -38,10 +38,10 @@ from typing import Annotated
 
 import typer
 
-from ftsystem import report
+from ftsystem.measure import report
 from ftsystem.cli import bench_app
 
-ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"  # ftsystem.hsdp's; not imported: torch
+ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"  # ftsystem.training.hsdp's; not imported: torch
 
 SYSTEMS = ("ddp", "ftsystem", "ftsystem-overlap", "ftsystem-digest10", "torchft")
 DIGEST_STRESS_EVERY = 10
@@ -122,7 +122,7 @@ def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
     from torch.nn.parallel import DistributedDataParallel
 
     from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
-    from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
+    from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
 
     class Loss(torch.nn.Module):
         """DDP reduces the gradients of what runs through its forward: make that the loss."""
@@ -134,7 +134,7 @@ def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
         def forward(self, batch: torch.Tensor) -> torch.Tensor:
             return self.inner.loss(batch)
 
-    torch.set_num_threads(1)  # as ftsystem.train and torchft_replica: one core per replica
+    torch.set_num_threads(1)  # as ftsystem.example.train and torchft_replica: one core per replica
     dist.init_process_group("gloo", init_method=rendezvous_file(out).as_uri(), rank=rank,
                             world_size=world_size)
     torch.manual_seed(SEED)
@@ -174,7 +174,7 @@ def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int
               workdir: Path, timeout_s: float) -> None:
     """Run ``python <args_of(rank)>`` for every rank, one process each, meeting at
     :func:`rendezvous_file`; raise with the log of the first rank that failed."""
-    from ftsystem.launcher import ProcessGroup
+    from ftsystem.launch.launcher import ProcessGroup
 
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous_file(workdir).unlink(missing_ok=True)
@@ -214,7 +214,7 @@ def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
                  overlap: str = "auto", fingerprint_every: int | None = None) -> list[list]:
     """``run_job`` without failures; returns each replica's commit timeline."""
     from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
-    from ftsystem.launcher import RunConfig, run_job
+    from ftsystem.launch.launcher import RunConfig, run_job
 
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
                   "--lr", str(LEARNING_RATE), "--seed", str(SEED),
@@ -263,7 +263,7 @@ def measure(params: int, *, steps: int, replicas: int, systems: Sequence[str], r
     over the rounds), ratio to DDP (of the medians, and per round, paired within it), median
     step time. The order reverses every round (``report.in_rounds``): a drift in the
     machine's load then favours no system."""
-    from ftsystem import stall
+    from ftsystem.measure import stall
 
     warmup = warmup_steps(steps)
 

@@ -42,11 +42,11 @@ from typing import Callable, Optional
 
 import typer
 
-from ftsystem import report, stall
+from ftsystem.measure import report, stall
 from ftsystem.cli import bench_app
-from ftsystem.etcd_server import EmbeddedEtcd
-from ftsystem.launcher import ProcessGroup, RunConfig, agent_command, run_job
-from ftsystem.store import Store
+from ftsystem.control.etcd_server import EmbeddedEtcd
+from ftsystem.launch.launcher import ProcessGroup, RunConfig, agent_command, run_job
+from ftsystem.control.store import Store
 
 WARMUP_STEPS = 5
 BATCH_SIZE, LR = 8, 1e-3  # torchft_replica's, so that both train the same thing
@@ -104,7 +104,7 @@ def _send_zeros(port: int, total_bytes: int) -> None:
 
 def _members_step(etcd: str, job: str) -> int:
     import asyncio
-    from ftsystem import keys
+    from ftsystem.control import keys
 
     async def read() -> int:
         async with Store(etcd) as store:
@@ -118,7 +118,7 @@ def _admit(etcd: str, job: str, replica: str) -> None:
     """Add ``replica`` to the job's spec, as an operator scaling the job up would: agents of
     replicas the spec does not list are refused."""
     import asyncio
-    from ftsystem import keys
+    from ftsystem.control import keys
 
     async def write() -> None:
         async with Store(etcd) as store:
@@ -192,7 +192,7 @@ def state_bytes(params: int) -> int:
     parameters and AdamW's two moments (its step counters are left out: a few bytes)."""
     import torch
 
-    from ftsystem.workload import ModelConfig, TinyGPT
+    from ftsystem.example.workload import ModelConfig, TinyGPT
     with torch.device("meta"):
         model = TinyGPT(ModelConfig.for_params(params))
     return 3 * sum(p.nbytes for p in model.parameters())

@@ -1,7 +1,7 @@
 """``ftsystem bench soak``: what a long job leaves in etcd.
 
 A real ``ftsystem run`` (2 replicas, 10,000 steps by default) against an etcd configured as every
-ftsystem deployment configures it (``ftsystem.etcd_server``: periodic compaction of the history
+ftsystem deployment configures it (``ftsystem.control.etcd_server``: periodic compaction of the history
 older than ``COMPACTION_RETENTION``, a ``QUOTA_BACKEND_BYTES`` quota). etcd's own metrics are read
 every few seconds during the run and after it: the database's size on disk and in use, and the
 revision (one per write). What etcd keeps is bounded when the database in use stops growing with
@@ -21,10 +21,10 @@ from typing import Optional
 
 import typer
 
-from ftsystem import report
+from ftsystem.measure import report
 from ftsystem.cli import bench_app
-from ftsystem.etcd_server import COMPACTION_RETENTION, QUOTA_BACKEND_BYTES, EmbeddedEtcd
-from ftsystem.launcher import RunConfig, run_job
+from ftsystem.control.etcd_server import COMPACTION_RETENTION, QUOTA_BACKEND_BYTES, EmbeddedEtcd
+from ftsystem.launch.launcher import RunConfig, run_job
 
 MODEL_PARAMS = 100_000
 """A small model: etcd sees rate-limited progress (per second, not per step) and epochs, so the

@@ -100,7 +100,7 @@ def _run(title: str, paper: PaperSetup, cfg: SimConfig, methods: list[str],
     """Compare ``methods``; print the table, write the JSON and the PNG."""
     import torch
 
-    from ftsystem import report
+    from ftsystem.measure import report
     from ftsystem.halos import experiment
 
     torch.set_num_threads(1)  # tiny tensors: threads cost more than they give on shared cores
@@ -150,10 +150,10 @@ def halos_run(
         "--json", help="Write the summary here as well.")] = None,
 ) -> None:
     """Run HALoS for real on this machine: GPS, 1 LPS per region, workers, all supervised."""
-    from ftsystem import report
-    from ftsystem.etcd_server import EtcdNotInstalledError, EtcdStartError
+    from ftsystem.measure import report
+    from ftsystem.control.etcd_server import EtcdNotInstalledError, EtcdStartError
     from ftsystem.halos import real
-    from ftsystem.store import StoreError
+    from ftsystem.control.store import StoreError
 
     cfg = _real_config(setup, trace, updates=updates, regions=regions, seed=seed, lr=lr,
                        workers_per_region=workers_per_region, local_steps=local_steps,
@@ -176,7 +176,7 @@ def halos_run(
 
 
 def _job_id(job: str) -> str:
-    from ftsystem.keys import InvalidIdError, check_id
+    from ftsystem.control.keys import InvalidIdError, check_id
 
     try:
         return check_id("job", job)
@@ -203,7 +203,7 @@ def _real_config(setup: Path, trace: Path, *, lr: float | None, seed: int, **sha
 
 
 def _print_real(summary: dict) -> None:
-    from ftsystem import report
+    from ftsystem.measure import report
 
     nodes = {"gps": summary["gps"], **summary["lps"], **summary["workers"]}
     rows = [[name, summary["restarts"].get(name, 0), stats.get("updates", "-"),

@@ -22,7 +22,9 @@ import torch
 from fastapi import FastAPI, Request, Response
 from starlette.background import BackgroundTask
 
-from ftsystem import keys, metrics
+from ftsystem.control import keys
+
+from ftsystem.measure import metrics
 from ftsystem.halos import rules
 from ftsystem.halos.node import (
     FINISHED_STATUS,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request, Response
 
-from ftsystem import metrics
+from ftsystem.measure import metrics
 from ftsystem.halos import rules
 from ftsystem.halos.node import (
     FINISHED_STATUS,

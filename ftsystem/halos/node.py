@@ -28,10 +28,10 @@ from typing import Any, NoReturn
 import httpx
 import torch
 
-from ftsystem import keys
+from ftsystem.control import keys
 from ftsystem.halos.realconfig import RealConfig
-from ftsystem.runtime import Heartbeat, ReplicaContext
-from ftsystem.store import Store
+from ftsystem.training.runtime import Heartbeat, ReplicaContext
+from ftsystem.control.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftsystem import keys
-from ftsystem.etcd_server import EmbeddedEtcd
+from ftsystem.control import keys
+from ftsystem.control.etcd_server import EmbeddedEtcd
 from ftsystem.halos.realconfig import GPS, RealConfig, lps_name, worker_name
-from ftsystem.launcher import ProcessGroup
-from ftsystem.store import Store
+from ftsystem.launch.launcher import ProcessGroup
+from ftsystem.control.store import Store
 
 ROLE_MODULES = {"gps": "ftsystem.halos.gps", "lps": "ftsystem.halos.lps",
                 "w": "ftsystem.halos.worker"}

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from ftsystem.halos.config import DelayedNesterovConfig, PaperSetup, WorkerOptimizer
 from ftsystem.halos.rules import warmup_cosine_lr
 from ftsystem.halos.workload import WorkloadConfig
-from ftsystem.workload import ModelConfig
+from ftsystem.example.workload import ModelConfig
 
 GPS = "gps"
 

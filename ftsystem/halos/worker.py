@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from ftsystem import metrics
+from ftsystem.measure import metrics
 from ftsystem.halos.node import Header, Node, exit_now, http_client, pack, unpack
 from ftsystem.halos.realconfig import RealConfig, lps_name, worker_name
 from ftsystem.halos.workload import Workload

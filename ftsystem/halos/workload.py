@@ -1,9 +1,9 @@
 """The small model and data that the simulator really trains (the paper's method: virtual time
 from traces, real optimization on a model that fits here).
 
-The model is ``ftsystem.workload.TinyGPT``, made small (one block, width 32) so that the five
+The model is ``ftsystem.example.workload.TinyGPT``, made small (one block, width 32) so that the five
 methods' tens of thousands of local steps fit a 2-core machine. The data is
-``ftsystem.workload.MarkovLanguage``: one language for all regions, or with ``non_iid`` one per
+``ftsystem.example.workload.MarkovLanguage``: one language for all regions, or with ``non_iid`` one per
 region (a different seed, so each region's successor table differs). Sequences are drawn from the
 language's transition table by inverse-CDF sampling, which is many times faster than
 ``MarkovLanguage.batch`` at this volume, and cached per (language, worker, chunk) so that every
@@ -21,7 +21,7 @@ from torch.nn.utils import parameters_to_vector
 
 from ftsystem.halos.config import WorkerOptimizer
 from ftsystem.halos.rules import load_flat, local_sgd
-from ftsystem.workload import MarkovLanguage, ModelConfig, TinyGPT
+from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 CHUNK_SEQUENCES = 512
 EVAL_SHARD = 1_000_000  # data streams of workers are shards 0..n-1; held-out data lives far away

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 
 from ftsystem.cli import sim_app
-from ftsystem.report import machine, print_table, write_json
+from ftsystem.measure.report import machine, print_table, write_json
 from ftsystem.sim import ettr
 from ftsystem.sim import scale_inputs as si
 

@@ -30,7 +30,7 @@ ASSUMED = "assumed"
 KINDS = (MEASURED, PUBLISHED, MODEL, ASSUMED)
 
 DEFAULT_TIMEOUT_S = 30.0
-"""ftsystem's default ``--timeout`` (``ftsystem.runtime.DEFAULT_TIMEOUT_S``, which is not imported
+"""ftsystem's default ``--timeout`` (``ftsystem.training.runtime.DEFAULT_TIMEOUT_S``, which is not imported
 here: it pulls in the etcd client): the fallback for the host stall."""
 GPUS_PER_HOST = 8
 """H100/H200 hosts, as in the paper's clusters: a job of 98,304 GPUs runs 12,288 node agents."""

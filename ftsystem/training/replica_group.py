@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ftsystem.devices import local_device, use_device
+from ftsystem.training.devices import local_device, use_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class ReplicaGroup:
             if not dist.is_initialized() or dist.get_world_size() != size:
                 raise RuntimeError(
                     f"a replica of {size} ranks needs its process group before FTReplica: "
-                    "call ftsystem.replica_group.init_replica_group() first, then shard the "
+                    "call ftsystem.training.replica_group.init_replica_group() first, then shard the "
                     "model with fully_shard and build the optimizer")
             self._group = dist.new_group(backend="gloo")
 
@@ -98,7 +98,7 @@ def init_replica_group() -> int:
     """Start the process group of this replica's ranks from the agent's environment.
 
     Call it first thing in every replica (before ``fully_shard``); it returns the number of
-    ranks. On a GPU machine it makes the rank's GPU (``ftsystem.devices.local_device()``) the
+    ranks. On a GPU machine it makes the rank's GPU (``ftsystem.training.devices.local_device()``) the
     current device, also in a replica of one, which has no group. NCCL carries the shards on
     GPU, Gloo on CPU.
     """

@@ -13,9 +13,11 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from ftsystem import keys, metrics
-from ftsystem.chaos import Order
-from ftsystem.store import Store
+from ftsystem.control import keys
+
+from ftsystem.measure import metrics
+from ftsystem.chaos.spec import Order
+from ftsystem.control.store import Store
 
 log = logging.getLogger(__name__)
 

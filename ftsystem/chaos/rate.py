@@ -13,7 +13,7 @@ import math
 import os
 import uuid
 
-from ftsystem import keys
+from ftsystem.control import keys
 
 ENV_CHAOS_RATE = "FTSYSTEM_CHAOS_RATE"
 """Chaos specs accepted per window, ``N/SECONDS``."""

@@ -24,7 +24,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from ftsystem.runtime import ENV_KILL_AT
+from ftsystem.training.runtime import ENV_KILL_AT
 
 PHASES = ("step", "allreduce", "fail-allreduce", "sync", "donate", "corrupt")
 AT_OR_AFTER = ("sync", "donate")

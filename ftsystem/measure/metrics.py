@@ -97,16 +97,16 @@ def metrics_port(env: dict[str, str] | os._Environ) -> int:
 
 
 CHAOS_STATES = ("done", "failed")
-"""The outcomes an agent records for a chaos order (``ftsystem.chaos_executor``)."""
+"""The outcomes an agent records for a chaos order (``ftsystem.chaos.executor``)."""
 EPOCH_REASONS = ("start", "join", "removal", "resync")
-"""Why an epoch was published (``ftsystem.membership``)."""
+"""Why an epoch was published (``ftsystem.control.membership``)."""
 DIVERGENCE_FINDERS = ("state-digest", "commit-chain")
-"""How a divergence was found (``ftsystem.hsdp``)."""
+"""How a divergence was found (``ftsystem.training.hsdp``)."""
 
 
 def init_controller(job: str) -> None:
     """Create the controller's series at zero."""
-    from ftsystem.membership import ReplicaState
+    from ftsystem.control.membership import ReplicaState
     for state in [s.value for s in ReplicaState] + ["restarting", "down"]:
         REPLICAS.labels(job, state)
     for reason in EPOCH_REASONS:
@@ -119,7 +119,7 @@ def init_controller(job: str) -> None:
 
 def init_agent(job: str, replica: str) -> None:
     """Create an agent's series at zero."""
-    from ftsystem.chaos import ACTIONS
+    from ftsystem.chaos.spec import ACTIONS
     for action in ACTIONS:
         for state in CHAOS_STATES:
             FAILURES_INJECTED.labels(job, action, state)

@@ -162,7 +162,7 @@ def _fraction(value: Any) -> float:
 
 
 def _selector(raw: Mapping[str, Any]) -> tuple[str, ...]:
-    from ftsystem.keys import InvalidIdError, check_id
+    from ftsystem.control.keys import InvalidIdError, check_id
     selector = raw.get("selector") or {}
     if not isinstance(selector, dict) or set(selector) - {"replicas"}:
         raise ChaosSpecError("selector supports {replicas: [ids...]} only")
@@ -281,7 +281,7 @@ async def submit(store, job: str, specs: ChaosSpec | Sequence[ChaosSpec], name: 
     The one I/O function of this module, shared by ``ftsystem chaos apply``, ``ftsystem run
     --chaos`` and ``POST /v1/jobs/{job}/chaos``; nothing is stored if any expansion fails.
     """
-    from ftsystem import keys
+    from ftsystem.control import keys
     specs = [specs] if isinstance(specs, ChaosSpec) else list(specs)
     agents, _ = await store.get_prefix(keys.agents(job))
     replicas = sorted({keys.agent_replica(job, k) for k in agents})

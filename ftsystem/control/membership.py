@@ -50,7 +50,7 @@ class Registration:
     """The replica lease this registration is bound to (0: unknown, an older writer)."""
     late: tuple[str, ...] = ()
     """With ``resync_after``: the members that had not arrived at this replica's all-reduce
-    within the straggler bound (``ftsystem.timeouts.StragglerBound``); the leader takes them
+    within the straggler bound (``ftsystem.control.timeouts.StragglerBound``); the leader takes them
     out of the epoch (:func:`late_members`)."""
 
     def to_json(self) -> str:

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ftsystem.stall import Timeline, gaps, normal_step_time
+from ftsystem.measure.stall import Timeline, gaps, normal_step_time
 
 
 def job_timeline(timelines: Mapping[str, Timeline]) -> list[tuple[int, float]]:

@@ -6,7 +6,7 @@ a ``GradScaler`` (or bf16 autocast), dropout, and a torchdata ``StatefulDataLoad
 scheduler and the scaler are advanced by the step function, which ``FTReplica`` runs after
 averaging, live and when it replays logged steps; the loader is advanced by the loop.
 
-Run it under an agent: ``ftsystem agent ... -- python -m ftsystem.train --steps 300``. At the end
+Run it under an agent: ``ftsystem agent ... -- python -m ftsystem.example.train --steps 300``. At the end
 it writes ``OUT/<replica>.json`` (commits with wall times, epochs entered, final losses, the state
 hash) for the run's summary.
 
@@ -34,11 +34,11 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ftsystem.devices import local_device
-from ftsystem.hsdp import FTReplica
-from ftsystem.replica_group import init_replica_group
-from ftsystem.replicated import Batches
-from ftsystem.workload import MarkovBatches, MarkovLanguage, ModelConfig, TinyGPT, num_params
+from ftsystem.training.devices import local_device
+from ftsystem.training.hsdp import FTReplica
+from ftsystem.training.replica_group import init_replica_group
+from ftsystem.training.replicated import Batches
+from ftsystem.example.workload import MarkovBatches, MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 EVAL_SHARD = -1  # a shard no replica trains on
 # torchdata 0.11 calls a torch API that torch deprecated since; nothing to act on.

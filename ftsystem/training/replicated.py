@@ -22,7 +22,7 @@ How an object reaches a replica that lacks it depends on who advances it:
   each logged update as well.
 
 Registered state must be the same on every replica at equal steps: it is part of the state
-fingerprint (``ftsystem.fingerprint``), and a replica whose registered state differs is reported
+fingerprint (``ftsystem.training.fingerprint``), and a replica whose registered state differs is reported
 as diverged. A data loader registered here therefore must not hold its replica's shard in its
 state (a sampler's position does not; a ``DistributedSampler``'s rank is a constructor argument).
 """
@@ -34,7 +34,7 @@ from typing import Any, Iterator, Literal, Protocol, runtime_checkable
 
 import torch
 
-from ftsystem.catchup import map_tensors
+from ftsystem.training.catchup import map_tensors
 
 AdvancedBy = Literal["step", "loop"]
 RESERVED = ("model", "optim", "hyper", "step", "objects", "carry", "chain")

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftsystem.procs import die_with_parent, wait_listening
+from ftsystem.launch.procs import die_with_parent, wait_listening
 
 ETCD_BIN_ENV = "FTSYSTEM_ETCD_BIN"
 DEFAULT_ETCD_BIN = "/usr/bin/etcd"

@@ -23,7 +23,7 @@ Donor side (every replica can donate):
   holds the donor's memory.
 
 Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into tensors allocated
-from the header (``recv_into``); :func:`fetch_log`; the replay loop is in ``ftsystem.hsdp``.
+from the header (``recv_into``); :func:`fetch_log`; the replay loop is in ``ftsystem.training.hsdp``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
-from ftsystem.devices import cuda_device_of, use_device
+from ftsystem.training.devices import cuda_device_of, use_device
 
 log = logging.getLogger(__name__)
 # What replicas exchange holds bytes (commit chains, serialized loop states); torch.save writes
@@ -78,7 +78,7 @@ class DonorUnavailableError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LoggedUpdate:
     """What produced one committed step: the averaged gradient the step function ran on, the
-    commit chain before and after it (``ftsystem.fingerprint``), and the loop-advanced
+    commit chain before and after it (``ftsystem.training.fingerprint``), and the loop-advanced
     objects' states after it (``ReplicatedObjects.carry``)."""
 
     grad: torch.Tensor

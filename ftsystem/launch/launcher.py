@@ -24,15 +24,17 @@ from typing import Callable, Iterator, Sequence
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ftsystem import ettr, keys, stall, timeline
-from ftsystem.chaos import ChaosSpec, submit
-from ftsystem.etcd_server import EtcdCluster, free_port
-from ftsystem.faults import FaultPoint, parse_fault_point
-from ftsystem.netns import Host, HostNetwork
-from ftsystem.procs import die_with_parent
-from ftsystem.runtime import ENV_TIMEOUT
-from ftsystem.service_chaos import ServiceChaos
-from ftsystem.store import Store, StoreError
+from ftsystem.control import keys
+
+from ftsystem.measure import ettr, stall, timeline
+from ftsystem.chaos.spec import ChaosSpec, submit
+from ftsystem.control.etcd_server import EtcdCluster, free_port
+from ftsystem.chaos.faults import FaultPoint, parse_fault_point
+from ftsystem.launch.netns import Host, HostNetwork
+from ftsystem.launch.procs import die_with_parent
+from ftsystem.training.runtime import ENV_TIMEOUT
+from ftsystem.chaos.services import ServiceChaos
+from ftsystem.control.store import Store, StoreError
 
 ENV_API_TOKEN = "FTSYSTEM_API_TOKEN"
 """The controllers' API token (``controller.auth``; not imported: the web stack stays out)."""
@@ -81,9 +83,9 @@ class RunConfig:
     out_dir: Path = Path("runs/latest")
     """Where results, logs and the summary go."""
     train_args: list[str] = field(default_factory=list)
-    """Extra arguments for ``ftsystem.train``."""
+    """Extra arguments for ``ftsystem.example.train``."""
     replica_args: dict[int, list[str]] = field(default_factory=dict)
-    """More arguments for ``ftsystem.train`` of one replica (by index), after ``train_args``."""
+    """More arguments for ``ftsystem.example.train`` of one replica (by index), after ``train_args``."""
     controller_ports: list[int] = field(default_factory=lambda: [0])
     """One controller instance per entry, on that REST port (0: a free one)."""
     timeout_s: float = 30.0
@@ -297,9 +299,9 @@ def _cli(*args: str) -> list[str]:
 def agent_command(cfg: RunConfig, etcd: str, index: int, *, node_rank: int = 0,
                   host: str = "127.0.0.1", node_id: str = "") -> list[str]:
     """The ``ftsystem agent`` command line of node ``node_rank`` of replica ``index``, training
-    ``ftsystem.train`` (``--kill-at`` goes to every node: the replica's last rank acts on it)."""
+    ``ftsystem.example.train`` (``--kill-at`` goes to every node: the replica's last rank acts on it)."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
-    train = [sys.executable, "-m", "ftsystem.train", "--steps", str(cfg.num_steps),
+    train = [sys.executable, "-m", "ftsystem.example.train", "--steps", str(cfg.num_steps),
              "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args,
              *cfg.replica_args.get(index, [])]
     node = ["--node-id", node_id] if node_id else []

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torchft.process_group import (ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper,
                                    create_store_client)
 
-from ftsystem.devices import use_device, with_index
-from ftsystem.membership import Epoch
-from ftsystem.runtime import ControlPlane
+from ftsystem.training.devices import use_device, with_index
+from ftsystem.control.membership import Epoch
+from ftsystem.training.runtime import ControlPlane
 
 log = logging.getLogger(__name__)
 POLL_S = 0.002
@@ -103,7 +103,7 @@ def plan_state_sync(steps: list[int], fresh: list[bool], chains: list[bytes] | N
 
     The donor is the first member that has synced before (not fresh) with the highest committed
     step; when every member is fresh (job start) it is member 0. Receivers are the members that
-    are behind it, fresh, or at its step on another commit chain (``ftsystem.fingerprint``: a
+    are behind it, fresh, or at its step on another commit chain (``ftsystem.training.fingerprint``: a
     fork). Members at the donor's step on its chain hold identical state already (the
     invariant), so they load nothing.
     """

@@ -24,13 +24,13 @@ import threading
 import urllib.request
 from typing import Callable
 
-from ftsystem import keys
-from ftsystem.chaos import HOST_ACTIONS, SERVICE_ACTIONS, Order
-from ftsystem.chaos_executor import ChaosActionError, OrderExecutor
-from ftsystem.etcd_server import EmbeddedEtcd, EtcdCluster
-from ftsystem.netns import Host, namespace_pids
-from ftsystem.procs import kill_and_reap
-from ftsystem.store import Store
+from ftsystem.control import keys
+from ftsystem.chaos.spec import HOST_ACTIONS, SERVICE_ACTIONS, Order
+from ftsystem.chaos.executor import ChaosActionError, OrderExecutor
+from ftsystem.control.etcd_server import EmbeddedEtcd, EtcdCluster
+from ftsystem.launch.netns import Host, namespace_pids
+from ftsystem.launch.procs import kill_and_reap
+from ftsystem.control.store import Store
 
 log = logging.getLogger(__name__)
 

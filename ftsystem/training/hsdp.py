@@ -14,14 +14,14 @@ all-reduced again (no recomputation). At the start of every epoch the members co
 steps; members a few steps behind replay the most advanced member's logged updates, new ones
 load its whole state. ``commit`` returns False when that changed this replica's state: its
 gradients belonged to an older step and are dropped. A restarted replica first catches up from
-a donor while the others train (``ftsystem.catchup``), so that it joins only a step or two behind.
+a donor while the others train (``ftsystem.training.catchup``), so that it joins only a step or two behind.
 
 The average is over the members that took part: when a replica is missing, its data shard for
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
 
 A replica may have several ranks (``--nodes N --nproc-per-node M``): the model is sharded in the
 replica with FSDP2, rank k all-reduces shard k with rank k of the other replicas, and the
-replica's ranks vote before anything changes their state (``ftsystem.replica_group``), so the
+replica's ranks vote before anything changes their state (``ftsystem.training.replica_group``), so the
 replica commits all its shards of a step or none. Only rank 0 registers with the controller.
 Catch-up and state sync move shard k from rank k of the donor to rank k of the receiver.
 """
@@ -40,26 +40,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftsystem import keys, metrics
-from ftsystem.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
+from ftsystem.control import keys
+
+from ftsystem.measure import metrics
+from ftsystem.training.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
                               Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
                               fetch_snapshot)
-from ftsystem.checkpoint import Checkpointer, TrainingState
-from ftsystem.faults import FaultSchedule, InjectedFault
-from ftsystem.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
+from ftsystem.training.checkpoint import Checkpointer, TrainingState
+from ftsystem.chaos.faults import FaultSchedule, InjectedFault
+from ftsystem.training.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
                                   to_words)
-from ftsystem.ftar import (CollectiveFailed, EpochChanged, FaultTolerantAllReduce, Stragglers,
+from ftsystem.training.ftar import (CollectiveFailed, EpochChanged, FaultTolerantAllReduce, Stragglers,
                            plan_state_sync)
-from ftsystem.membership import Epoch, Registration, ReplicaState
-from ftsystem.overlap import (DEFAULT_BUCKET_CAP_BYTES, GradientProducedTwice, OverlapInvalid,
+from ftsystem.control.membership import Epoch, Registration, ReplicaState
+from ftsystem.training.overlap import (DEFAULT_BUCKET_CAP_BYTES, GradientProducedTwice, OverlapInvalid,
                               OverlappedGradSum)
-from ftsystem.replica_group import ReplicaGroup, Verdict
-from ftsystem.replicated import (AdvancedBy, Batches, RegistrationMismatch, ReplicatedObjects,
+from ftsystem.training.replica_group import ReplicaGroup, Verdict
+from ftsystem.training.replicated import (AdvancedBy, Batches, RegistrationMismatch, ReplicatedObjects,
                                  Stateful)
-from ftsystem.runtime import ControlPlane, Heartbeat, ReplicaContext
-from ftsystem.shards import (flat_grads, grads_as_views, load_local_state, local, local_numel,
+from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
+from ftsystem.training.shards import (flat_grads, grads_as_views, load_local_state, local, local_numel,
                              local_state, release_grads)
-from ftsystem.timeouts import StragglerBound, Timeouts
+from ftsystem.control.timeouts import StragglerBound, Timeouts
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05
@@ -170,7 +172,7 @@ class FTReplica:
         self._step_fn = step_fn or optimizer.step
         self.objects = ReplicatedObjects()
         self.chain = GENESIS
-        """The commit chain after ``self.step`` (``ftsystem.fingerprint``)."""
+        """The commit chain after ``self.step`` (``ftsystem.training.fingerprint``)."""
         self._carry = b""  # the loop-advanced objects' states after self.step
         # A step function of the user's may write into .grad (clipping, unscaling), and not
         # every in-place kernel bumps the version counter (GradScaler.unscale_ does not): it
@@ -243,7 +245,7 @@ class FTReplica:
         """Make ``obj`` (anything with ``state_dict()``/``load_state_dict()``) part of the
         replicated state under ``name``; before :meth:`start`. ``advanced_by``: "step" when
         the step function advances it (a scheduler, a ``GradScaler``, an EMA), "loop" when
-        the loop does, outside the step (see ``ftsystem.replicated``)."""
+        the loop does, outside the step (see ``ftsystem.training.replicated``)."""
         self.objects.register(name, obj, advanced_by)
 
     def register_data(self, name: str, loader: Stateful) -> Batches:

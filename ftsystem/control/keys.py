@@ -121,7 +121,7 @@ def chaos_orders(job_id: str) -> str:
 
 def chaos_submissions(job_id: str) -> str:
     """Recent chaos submissions, each on a lease of the rate limit's window
-    (``ftsystem.chaos_rate``)."""
+    (``ftsystem.chaos.rate``)."""
     return f"{job(job_id)}/chaos-rate/"
 
 

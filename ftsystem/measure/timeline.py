@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ftsystem.ettr import job_timeline
+from ftsystem.measure.ettr import job_timeline
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Checks of the CUDA paths on a machine with one GPU: ``python -m ftsystem.gpu_check --json P``.
+"""Checks of the CUDA paths on a machine with one GPU: ``python -m ftsystem.benchmarks.gpu_check --json P``.
 
 What a GPU changes is the data plane only, and one GPU cannot hold several NCCL ranks of one
 communicator, so the checks are:
@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ftsystem import report
-from ftsystem.catchup import host_copy, tree_tensors
-from ftsystem.devices import local_device, use_device
-from ftsystem.membership import Epoch
+from ftsystem.measure import report
+from ftsystem.training.catchup import host_copy, tree_tensors
+from ftsystem.training.devices import local_device, use_device
+from ftsystem.control.membership import Epoch
 
 SNAPSHOT_BYTES = 2 << 30
 ALLREDUCE_ELEMENTS = 16 << 20
@@ -127,7 +127,7 @@ class _Epochs:
 
 def _one_member_ftar(timeout_s: float):
     """FTAR for this process's GPU, its control-plane stand-in, and the store it meets in."""
-    from ftsystem.ftar import FaultTolerantAllReduce
+    from ftsystem.training.ftar import FaultTolerantAllReduce
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     control = _Epochs(_one_member_epoch(1, store))
     use_device(local_device())
@@ -165,7 +165,7 @@ def _queue_busy_work() -> None:
 
 def _ftar_nccl_wait(result) -> None:
     """``check_ftar_nccl_wait``'s body, in its own process; fills ``result`` as it goes."""
-    from ftsystem.ftar import CollectiveFailed
+    from ftsystem.training.ftar import CollectiveFailed
     ftar, control, _store = _one_member_ftar(timeout_s=30)
     ftar.configure(control.epoch)
     stream = torch.cuda.current_stream(ftar.device)

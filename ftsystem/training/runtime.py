@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Coroutine, TypeVar
 
-from ftsystem import keys, metrics
-from ftsystem.membership import Epoch, Registration, ReplicaState
-from ftsystem.store import Store, StoreError
+from ftsystem.control import keys
+
+from ftsystem.measure import metrics
+from ftsystem.control.membership import Epoch, Registration, ReplicaState
+from ftsystem.control.store import Store, StoreError
 
 T = TypeVar("T")
 

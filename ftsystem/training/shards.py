@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from ftsystem.catchup import map_tensors
+from ftsystem.training.catchup import map_tensors
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Failure injection: chaos specs and orders, their execution, fault points."""

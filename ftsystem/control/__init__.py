@@ -1,0 +1,1 @@
+"""The control plane: etcd access, the keyspace, membership decisions, deadlines."""

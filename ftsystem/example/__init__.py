@@ -1,0 +1,1 @@
+"""The example replica program of ``ftsystem run`` and its model and data."""

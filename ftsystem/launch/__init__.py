@@ -1,0 +1,1 @@
+"""Launching: a whole job on this machine (``ftsystem run``), children, emulated hosts."""

@@ -1,0 +1,1 @@
+"""Measurement: Prometheus metrics, ETTR, stalls, timelines, benchmark reports."""
