@@ -6,7 +6,7 @@ the JSON, and regenerate: a test fails while they differ.
 
 Every query reads the datasource of uid ``prometheus`` (``provisioning/datasources``) and
 selects the job by the ``job`` label the controller's service discovery gives each target.
-Every process creates its labelled series at zero when it starts (``ftsystem.metrics.init_*``),
+Every process creates its labelled series at zero when it starts (``ftsystem.measure.metrics.init_*``),
 so ``increase`` sees the first failure too. Panels stay readable at thousands of replicas: per
 replica they show the ``TOPK`` worst (``topk``/``bottomk``), and distributions over all replicas
 as heatmaps.
