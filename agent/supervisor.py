@@ -60,6 +60,9 @@ EXIT_HALTED = 3
 majority, replicas that register different objects."""
 EXIT_BAD_INPUT = 2
 """The agent's exit status when its flags contradict the job or its replica (nothing ran)."""
+TEARDOWN_S = 60.0
+"""A rank whose interpreter is exiting (``runtime.EXITING_MARK``) gets this long to exit before
+it counts as hung: destroying process groups takes seconds, a wedged NCCL destructor forever."""
 REPLICA_KEEPALIVE_S = 0.5
 """The replica lease is renewed this often (once per replica, not per node), so that the leader
 can tell a dead replica by a lease not renewed for a second (``controller.leader``)."""
@@ -466,11 +469,10 @@ class Agent:
                     age = now - path.stat().st_mtime
                 except FileNotFoundError:
                     continue  # not started beating yet (importing, loading)
-                if _finished(path):
-                    continue  # tearing down is not hanging
-                if age > self.cfg.watchdog_s:
+                hang = hang_reason(rank, age, _mark(path), self.cfg.watchdog_s)
+                if hang:
                     await self._dump_stacks(rank)
-                    return f"local rank {rank} hung: no heartbeat for {age:.0f}s"
+                    return hang
 
     async def _dump_stacks(self, rank: int) -> None:
         """Ask the hung rank for its Python stacks (SIGUSR1, see ``runtime.Heartbeat``)."""
@@ -518,12 +520,31 @@ def gpu_env_per_rank(gpus: list[str], num_procs: int) -> list[dict[str, str]]:
     return [{ENV_VISIBLE_GPUS: gpu} for gpu in gpus[:num_procs]]
 
 
+def hang_reason(rank: int, age: float, mark: str | None, watchdog_s: float) -> str | None:
+    """Why a rank whose heartbeat is ``age`` seconds old counts as hung, or None (pure).
+
+    A rank that is tearing down (its work done, or its interpreter exiting on an error) is not
+    hanging: its exit code will tell what happened. It only gets ``TEARDOWN_S`` to exit."""
+    if mark in (runtime.DONE_MARK, runtime.EXITING_MARK):
+        if age > TEARDOWN_S:
+            return f"local rank {rank} hung while exiting: no heartbeat for {age:.0f}s"
+        return None
+    if age > watchdog_s:
+        return f"local rank {rank} hung: no heartbeat for {age:.0f}s"
+    return None
+
+
 def _finished(heartbeat: Path) -> bool:
     """Whether the rank marked its work done (``runtime.Heartbeat.done``)."""
+    return _mark(heartbeat) == runtime.DONE_MARK
+
+
+def _mark(heartbeat: Path) -> str | None:
     try:
-        return runtime.DONE_MARK in heartbeat.read_text()
+        words = heartbeat.read_text().split()
     except FileNotFoundError:
-        return False
+        return None
+    return words[1] if len(words) > 1 else None
 
 
 def _last_step(heartbeats: list[Path]) -> int:

@@ -10,11 +10,13 @@ epoch, its own registration) through an asyncio loop running in a background thr
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -108,6 +110,10 @@ class BackgroundLoop:
 DONE_MARK = "done"
 """Written after the step in the heartbeat file once the rank only tears down."""
 
+EXITING_MARK = "exiting"
+"""Written when the interpreter starts to exit for any other reason (an exception, sys.exit):
+the exit code, not the silence of a slow teardown, then says what happened."""
+
 
 class Heartbeat:
     """The file the agent's watchdog reads: its mtime is liveness, its content the last step.
@@ -121,13 +127,24 @@ class Heartbeat:
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
         self._step = 0
-        self._done = False
+        self._mark: str | None = None  # sticky: the beating thread must not overwrite it
         # The agent sends SIGUSR1 before it kills a hung rank: its log then shows where it hung
         # (dumped from the signal handler, so also while a C call holds the GIL).
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         if self._fd is not None:
             threading.Thread(target=self._write_forever, daemon=True,
                              name="ftsystem-heartbeat").start()
+            # Interpreter shutdown stops this thread, and destroying process groups can then
+            # take seconds: without the mark the agent would report a crash as a hang. The
+            # hook marks an uncaught exception at once; atexit covers sys.exit.
+            atexit.register(self._exiting)
+            previous_hook = sys.excepthook
+
+            def mark_then_report(*exc_info) -> None:
+                self._exiting()
+                previous_hook(*exc_info)
+
+            sys.excepthook = mark_then_report
 
     def beat(self, step: int) -> None:
         """Record progress at once: the agent reads the step of a replica that just died."""
@@ -141,13 +158,17 @@ class Heartbeat:
         Interpreter shutdown after a job (destructors of process groups and stores, in C++,
         with no Python thread left to beat) has been measured here to take several seconds.
         """
-        self._done = True
+        self._mark = DONE_MARK
+        self._write()
+
+    def _exiting(self) -> None:
+        self._mark = self._mark or EXITING_MARK
         self._write()
 
     def _write(self) -> None:
         if self._fd is not None:  # fixed width: no truncate needed
-            mark = f"{self._step} {DONE_MARK}" if self._done else str(self._step)
-            os.pwrite(self._fd, f"{mark}\n".encode().ljust(24), 0)
+            line = f"{self._step} {self._mark}" if self._mark else str(self._step)
+            os.pwrite(self._fd, f"{line}\n".encode().ljust(24), 0)
 
     def _write_forever(self) -> None:
         while True:
