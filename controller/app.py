@@ -11,7 +11,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Body, Depends, FastAPI, HTTPException, Response
+from fastapi import Body, Depends, FastAPI, HTTPException, Query, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -19,7 +19,7 @@ from controller.auth import BearerAuth, load_token
 from controller.leader import LeaderConfig, run_elections
 from controller.status_page import status_router
 from ftsystem.chaos import rate as chaos_rate
-from ftsystem.control import keys
+from ftsystem.control import jobs, keys
 from ftsystem.measure import metrics
 from ftsystem.chaos.spec import ChaosSpecError, Order, spec_from_mapping, submit
 from ftsystem.control.membership import ReplicaState
@@ -48,6 +48,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
             record = HeldKey(store, keys.controller(cfg.job, cfg.instance_id), cfg.lease_ttl_s)
             await record.set({"addr": cfg.address})
             tasks.append(asyncio.create_task(record.hold()))
+            tasks.append(asyncio.create_task(_restore_when_deleted(store, record)))
         try:
             yield
         finally:
@@ -64,10 +65,44 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
         return {"status": "ok", "job": cfg.job, "instance": cfg.instance_id,
                 "pid": os.getpid(), "leader": is_leader.is_set()}
 
+    @app.get("/v1/jobs")
+    async def list_jobs() -> dict:
+        """Every job with a spec in this etcd (not only this controller's)."""
+        return {"jobs": await jobs.list_jobs(store)}
+
     @app.get("/v1/jobs/{job}")
     async def get_job(job: str) -> dict:
+        """The job's spec (null until it is created), epoch and replicas."""
         _check_job(cfg.job, job)
         return await job_view(store, job)
+
+    @app.post("/v1/jobs/{job}", status_code=201)
+    async def create_job(job: str, spec: dict[str, Any] = Body(...)) -> dict:
+        """Create the job from its spec: 409 if it exists (delete it first), 422 if the spec
+        is malformed. The leader starts no epoch before this."""
+        _check_job(cfg.job, job)
+        try:
+            stored = await jobs.create_job(store, job, jobs.parse_spec(spec), now=time.time())
+        except jobs.JobSpecError as e:  # in the shape FastAPI declares for its own 422s
+            raise HTTPException(422, [{"loc": ["body"], "type": "value_error",
+                                       "msg": f"{e}; nothing was stored"}]) from e
+        except jobs.JobExistsError as e:
+            raise HTTPException(409, str(e)) from e
+        return {"job": job, "spec": stored.to_json()}
+
+    @app.delete("/v1/jobs/{job}")
+    async def delete_job(job: str, force: bool = Query(
+            False, description="delete even while agents or replicas are registered")) -> dict:
+        """Remove every key of the job: 409 while it runs (unless force), 404 if nothing is
+        stored. A job created again under the same id starts clean."""
+        _check_job(cfg.job, job)
+        try:
+            await jobs.delete_job(store, job, force=force)
+        except jobs.JobRunningError as e:
+            raise HTTPException(409, str(e)) from e
+        except jobs.JobNotFoundError as e:
+            raise HTTPException(404, str(e)) from e
+        return {"job": job, "deleted": True}
 
     @app.get("/v1/jobs/{job}/replicas/{replica_id}")
     async def get_replica(job: str, replica_id: str) -> dict:
@@ -140,6 +175,21 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
 
     app.include_router(status_router(store, cfg))
     return app
+
+
+async def _restore_when_deleted(store: Store, record: HeldKey) -> None:
+    """Put this instance's discovery record back after a job deletion removed it (the
+    controller keeps serving the job id, waiting for a new spec)."""
+    while True:
+        items, revision = await store.get_prefix(record.key)
+        if record.key not in items and record.lease:
+            try:
+                await record.set(record.value)
+            except StoreError as e:  # a lapsed lease: hold() writes it again on a new one
+                log.warning("%s not restored: %s", record.key, e)
+        async for event in store.watch_prefix(record.key, start_revision=revision + 1):
+            if event.kind == "DELETE":
+                break
 
 
 def _exit_on_crash(task: asyncio.Task) -> None:

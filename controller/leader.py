@@ -15,16 +15,18 @@ with its agent is removed in about a second instead of a lease TTL (``stale_memb
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 from ftsystem.control import keys
+from ftsystem.control.jobs import JobSpec, JobSpecError, parse_spec
 
 from ftsystem.measure import metrics
 from ftsystem.measure.ettr import LiveEttr
-from ftsystem.control.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
+from ftsystem.control.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading,
                                  Registration, ReplicaState, assign_donors, decide,
                                  held_members, late_members, stale_members)
 from ftsystem.training.runtime import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
@@ -61,20 +63,45 @@ class LeaderConfig:
     join_tick_s: float = 0.25
     """Joins are batched on this tick."""
     start_timeout_s: float = 60.0
-    """The first epoch waits this long for the spec's number of replicas."""
-    min_replicas: int = 1
-    """Used when the job has no spec in etcd."""
+    """The first epoch waits this long, from the spec's creation, for its number of replicas."""
     address: str = ""
     """host:port this instance serves at, published for discovery (empty: not published)."""
     replica_lease_ttl_s: int = field(default_factory=_replica_lease_ttl_s)
     """The replicas' lease TTL: members that vanish in a mass lapse are held for it + 2 s."""
 
 
-async def read_policy(store: Store, cfg: LeaderConfig) -> Policy:
-    spec = await store.get_json(keys.spec(cfg.job)) or {}
-    min_replicas = int(spec.get("min_replicas", cfg.min_replicas))
-    return Policy(min_replicas=min_replicas,
-                  initial_replicas=int(spec.get("replicas", min_replicas)))
+class JobDeletedError(StoreError):
+    """The job's spec was deleted under the leader: its term ends, and the next one waits for
+    a new spec, with nothing of the deleted job in memory."""
+
+
+def spec_or_none(job: str, raw: bytes | None) -> JobSpec | None:
+    """The stored spec, or None (logged) when it is malformed."""
+    if raw is None:
+        return None
+    try:
+        return parse_spec(json.loads(raw))
+    except (JobSpecError, ValueError) as e:
+        log.error("job %s: the stored spec is unusable (%s): fix it (ftsystem job delete, then "
+                  "create)", job, e)
+        return None
+
+
+async def wait_for_spec(store: Store, job: str) -> tuple[JobSpec, int]:
+    """Block until the job has a valid spec; returns it and the revision it was read at.
+    Woken by a watch on the spec key; says once that it waits."""
+    key = keys.spec(job)
+    said = False
+    while True:
+        items, revision = await store.get_prefix(key)
+        if (spec := spec_or_none(job, items.get(key))) is not None:
+            return spec, revision
+        if not said and key not in items:
+            log.info("job %s has no spec: no epoch before it exists (ftsystem job create %s, "
+                     "or POST /v1/jobs/%s)", job, job, job)
+            said = True
+        async for _ in store.watch_prefix(key, start_revision=revision + 1):
+            break  # it changed: read it again
 
 
 async def run_elections(store: Store, cfg: LeaderConfig, is_leader: asyncio.Event) -> None:
@@ -165,7 +192,9 @@ class MembershipLoop:
         self._confirming: asyncio.Task | None = None
 
     async def run(self) -> None:
-        self.policy = await read_policy(self.store, self.cfg)
+        spec, spec_revision = await wait_for_spec(self.store, self.cfg.job)
+        self.policy = spec.policy
+        self.started = time.monotonic()  # the start timeout runs from the spec's arrival
         raw = await self.store.get(keys.epoch(self.cfg.job))
         self.epoch = Epoch.from_json(raw) if raw else None
         items, revision = await self.store.get_prefix(keys.replicas(self.cfg.job))
@@ -178,21 +207,22 @@ class MembershipLoop:
             self.suspected_at.append(self.started)
             self.vanished = {m: self.started for m in self.epoch.members
                              if m not in self.registrations}
-        # ETTR from the moment this instance leads (a new leader starts its own count).
-        self.ettr = LiveEttr(num_replicas=self.policy.initial_replicas)
-        watcher = asyncio.create_task(self._watch(revision + 1))
+        # ETTR from the moment this instance leads (a new leader starts its own count),
+        # against the job's capacity: every replica of the spec.
+        self.ettr = LiveEttr(num_replicas=spec.replicas)
+        watchers = [asyncio.create_task(self._watch(keys.replicas(self.cfg.job), revision + 1)),
+                    asyncio.create_task(self._watch(keys.spec(self.cfg.job), spec_revision + 1))]
         try:
             await self._decide_forever()
         finally:
-            for task in (watcher, self._confirming):
+            for task in (*watchers, self._confirming):
                 if task is not None:
                     task.cancel()
 
-    async def _watch(self, start_revision: int) -> None:
-        async for event in self.store.watch_prefix(keys.replicas(self.cfg.job),
-                                                   start_revision=start_revision):
+    async def _watch(self, prefix: str, start_revision: int) -> None:
+        async for event in self.store.watch_prefix(prefix, start_revision=start_revision):
             await self.queue.put(event)
-        raise StoreError("registration watch ended")
+        raise StoreError(f"watch of {prefix} ended")
 
     async def _decide_forever(self) -> None:
         queue = self.queue
@@ -214,6 +244,8 @@ class MembershipLoop:
     def _apply(self, event) -> None:
         if event is _RECHECK:
             return
+        if event.key == keys.spec(self.cfg.job):
+            return self._apply_spec(event)
         rid = keys.last_segment(event.key)
         if event.kind == "DELETE":
             self.registrations.pop(rid, None)
@@ -228,9 +260,14 @@ class MembershipLoop:
                 del self.evicted[rid]  # a new generation is judged afresh
             self.ettr.observe(rid, reg.step, reg.state == ReplicaState.MEMBER, time.time())
 
+    def _apply_spec(self, event) -> None:
+        if event.kind == "DELETE":
+            raise JobDeletedError(f"job {self.cfg.job} was deleted: this term ends")
+        if (spec := spec_or_none(self.cfg.job, event.value)) is not None:
+            self.policy = spec.policy  # the next decision follows the new spec
+            self.ettr.num_replicas = spec.replicas
+
     async def _decide(self, *, join_tick: bool, seen: float) -> None:
-        if self.epoch is None:  # the spec may be written after the controller started
-            self.policy = await read_policy(self.store, self.cfg)
         now = time.monotonic()
         self._note_report(now)
         nxt = self._next_epoch(join_tick, now)
@@ -360,6 +397,8 @@ class MembershipLoop:
             keys.leader(self.cfg.job), self.cfg.instance_id,
             keys.epoch(self.cfg.job), nxt.to_json())
         if not published:
+            if await self.store.get(keys.spec(self.cfg.job)) is None:
+                raise JobDeletedError(f"job {self.cfg.job} was deleted: this term ends")
             raise StoreError("leader key changed hands; stepping down")
         job = self.cfg.job
         metrics.DECISION_LATENCY.labels(job).observe(time.monotonic() - seen)

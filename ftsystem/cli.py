@@ -97,7 +97,8 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
                                                   help="old: --bind and --advertise-address"),
                insecure: bool = typer.Option(False, help="serve without an API token: anyone "
                                              "who reaches the port may POST (chaos)"),
-               min_replicas: int = typer.Option(1, min=1, help="used when the job has no spec"),
+               min_replicas: Optional[int] = typer.Option(
+                   None, hidden=True, help="old: the job's spec sets it (ftsystem job create)"),
                instance_id: Optional[str] = typer.Option(None, help="name in leader election")
                ) -> None:
     """Run a controller instance: leader election, membership epochs, REST API, /metrics.
@@ -112,11 +113,14 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
         parse_endpoints(etcd)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--etcd") from e
+    if min_replicas is not None:
+        typer.secho("warning: --min-replicas has no effect: the job's spec sets it (ftsystem "
+                    "job create --min-replicas)", err=True, fg=typer.colors.YELLOW)
     from ftsystem.control.store import StoreError
     try:
         serve(etcd=etcd, job=job, port=port, bind=host or bind,
               advertise_address=host or advertise_address or default_advertise_address(),
-              instance_id=instance_id, min_replicas=min_replicas, insecure=insecure)
+              instance_id=instance_id, insecure=insecure)
     except (StoreError, ValueError) as e:  # AuthConfigError, a malformed FTSYSTEM_CHAOS_RATE
         raise _fail(str(e))
 
@@ -335,6 +339,7 @@ from ftsystem.benchmarks import soak  # noqa: E402,F401
 from ftsystem.benchmarks import fingerprint as fingerprint_bench  # noqa: E402,F401
 from ftsystem.sim import ettr_cli  # noqa: E402,F401
 from ftsystem.halos import cli as halos_cli  # noqa: E402,F401
+from ftsystem.control import jobs_cli  # noqa: E402,F401
 
 
 def main() -> None:

@@ -254,6 +254,10 @@ def test_a_spare_takes_the_place_of_a_node_whose_agent_died(etcd, job_id, tmp_pa
                 return await store.get_json(keys.generation(job_id, "r0")) or {}
         return asyncio.run(read())
 
+    async def create_job() -> None:  # the leader starts no epoch before the job's spec
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.spec(job_id), {"replicas": 1, "nodes_per_replica": 2})
+    asyncio.run(create_job())
     with controller_process(etcd.url, job_id, tmp_path):
         agents = [agent("--node-rank", "0", "--node-id", "a", name="n0"),
                   agent("--node-rank", "1", "--node-id", "b", name="n1"),

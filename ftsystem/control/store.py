@@ -176,6 +176,13 @@ class Store:
             return items, result.header.revision
         return await self._retry(op)
 
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, without their values."""
+        async def op() -> list[str]:
+            result = await self._ensure_client().get_prefix(prefix.encode(), keys_only=True)
+            return [kv.key.decode() for kv in result]
+        return await self._retry(op)
+
     async def put(self, key: str, value: bytes | str, *, lease: int | None = None) -> int:
         """Write ``value``; returns the revision of the write."""
         data = value.encode() if isinstance(value, str) else value

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ftsystem.control import keys
+from ftsystem.control import jobs, keys
 
 from ftsystem.measure import ettr, stall, timeline
 from ftsystem.chaos.spec import ChaosSpec, submit
@@ -258,10 +258,14 @@ def _api_token(out_dir: Path) -> str:
 def _checkpoint_env(cfg: RunConfig) -> dict[str, str]:
     if not cfg.checkpoint_every:
         return {}
-    directory = cfg.out_dir / "checkpoints"
+    directory = _checkpoint_dir(cfg)
     shutil.rmtree(directory, ignore_errors=True)  # a run starts clean, like its etcd keys
     return {"FTSYSTEM_CHECKPOINT_DIR": str(directory.resolve()),
             "FTSYSTEM_CHECKPOINT_EVERY": str(cfg.checkpoint_every)}
+
+
+def _checkpoint_dir(cfg: RunConfig) -> Path:
+    return cfg.out_dir / "checkpoints"
 
 
 def chaos_specs(cfg: RunConfig) -> list[ChaosSpec]:
@@ -321,14 +325,22 @@ async def _submit_chaos(etcd: str, cfg: RunConfig) -> None:
 
 
 async def _reset_job(etcd: str, cfg: RunConfig) -> None:
-    """A fresh job: drop what a previous run of the same job id left, write the spec."""
+    """A fresh job: drop what a previous run of the same job id left, create it."""
     async with Store(etcd) as store:
-        await store.delete_prefix(keys.job(cfg.job) + "/")
-        await store.put_json(keys.spec(cfg.job), {
-            "replicas": cfg.num_replicas, "min_replicas": cfg.min_replicas,
-            "num_steps": cfg.num_steps,
-            "replica_ids": [replica_id(i) for i in range(cfg.num_replicas)],
-            "nodes_per_replica": cfg.nodes_per_replica, "nproc_per_node": cfg.nproc_per_node})
+        with contextlib.suppress(jobs.JobNotFoundError):
+            await jobs.delete_job(store, cfg.job, force=True)
+        await jobs.create_job(store, cfg.job, job_spec(cfg), now=time.time())
+
+
+def job_spec(cfg: RunConfig) -> jobs.JobSpec:
+    checkpoint = jobs.CheckpointPolicy(
+        every_steps=cfg.checkpoint_every,
+        dir=str(_checkpoint_dir(cfg).resolve()) if cfg.checkpoint_every else "")
+    return jobs.JobSpec(replicas=cfg.num_replicas, min_replicas=cfg.min_replicas,
+                        nodes_per_replica=cfg.nodes_per_replica,
+                        nproc_per_node=cfg.nproc_per_node, timeout_s=cfg.timeout_s,
+                        checkpoint=checkpoint, num_steps=cfg.num_steps,
+                        replica_ids=tuple(replica_id(i) for i in range(cfg.num_replicas)))
 
 
 def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents) -> None:

@@ -1,0 +1,193 @@
+"""A job's lifecycle: its spec validated, created once, read, listed and deleted, through the
+REST API of a real controller and through ``ftsystem job`` against a real etcd; the leader
+waits for the spec, and live ETTR is measured against the spec's capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from conftest import API_TOKEN, controller_process, wait_for
+from ftsystem.cli import app
+from ftsystem.control import keys
+from ftsystem.control.jobs import JobSpecError, parse_spec
+from ftsystem.control.membership import Registration, ReplicaState
+from ftsystem.control.store import Store
+from ftsystem.measure.ettr import LiveEttr
+
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+WAITING = "has no spec: no epoch before it exists"
+"""What the leader logs, once per term, while the job has no spec."""
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({}, "replicas is missing"),
+    ({"replicas": 2, "min_replicas": 3}, "min_replicas 3 > replicas 2: lower min_replicas"),
+    ({"replicas": True}, "replicas must be an integer >= 1"),
+    ({"replicas": 2, "nodes": 2}, "unknown field(s) 'nodes': the fields are"),
+    ({"replicas": 2, "timeout_s": 1}, "timeout_s must be a number of seconds >= 6"),
+    ({"replicas": 1, "checkpoint": {"every_steps": 10}}, "without checkpoint.dir"),
+    ({"replicas": 2, "replica_ids": ["r0"]}, "replica_ids lists 1 id(s) for 2 replicas"),
+    ([1, 2], "a job spec is a JSON object"),
+])
+def test_a_malformed_spec_says_what_to_fix(raw, message):
+    with pytest.raises(JobSpecError, match=re.escape(message)):
+        parse_spec(raw)
+
+
+def test_a_spec_takes_defaults_and_round_trips():
+    spec = parse_spec({"replicas": 4, "checkpoint": {"every_steps": 50, "dir": "/ckpt"}})
+    assert (spec.min_replicas, spec.nodes_per_replica, spec.timeout_s) == (1, 1, 30.0)
+    assert parse_spec(spec.to_json()) == spec
+    assert (spec.policy.initial_replicas, spec.policy.min_replicas) == (4, 1)
+
+
+def test_live_work_ettr_is_measured_against_the_capacity():
+    """Two of four replicas train at the normal pace: half the work of the job's capacity."""
+    ettr = LiveEttr(num_replicas=4)
+    for step in range(1, 21):
+        for replica in ("a", "b"):
+            ettr.observe(replica, step, True, now=float(step))
+    values = ettr.values(now=20.0)
+    assert values["ettr_time"] == pytest.approx(1.0)
+    assert values["ettr_work"] == pytest.approx(2 * 19 / (4 * 19))
+
+
+async def _register(etcd_url: str, job: str, rid: str, state: ReplicaState, step: int = 0,
+                    lease: int | None = None) -> int:
+    async with Store(etcd_url) as store:
+        lease = lease or await store.grant(60)
+        reg = Registration(replica_id=rid, state=state, generation=0, step=step, lease=lease)
+        await store.put(keys.replica(job, rid), reg.to_json(), lease=lease)
+        return lease
+
+
+async def _job_keys(etcd_url: str, job: str) -> dict[str, bytes]:
+    async with Store(etcd_url) as store:
+        return (await store.get_prefix(keys.job(job) + "/"))[0]
+
+
+def _epoch(etcd_url: str, job: str) -> dict | None:
+    raw = asyncio.run(_job_keys(etcd_url, job)).get(keys.epoch(job))
+    return json.loads(raw) if raw else None
+
+
+def _waits(log: Path) -> int:
+    return log.read_text().count(WAITING)
+
+
+def _work_ettr(base: str, job: str) -> float | None:
+    found = re.search(rf'ftsystem_ettr{{job="{job}",kind="work"}} (\S+)',
+                      httpx.get(f"{base}/metrics").text)
+    return float(found.group(1)) if found else None
+
+
+def test_rest_lifecycle_the_leader_waits_and_ettr_uses_the_spec(etcd, job_id, tmp_path):
+    log = tmp_path / "controller.log"
+    asyncio.run(_register(etcd.url, job_id, "a", ReplicaState.READY))
+    with controller_process(etcd.url, job_id, tmp_path) as base:
+        url = f"{base}/v1/jobs/{job_id}"
+        # The leader waits for the spec: a ready replica, and no epoch.
+        wait_for(lambda: _waits(log), 30, "the leader to say it waits for the spec")
+        assert _epoch(etcd.url, job_id) is None and httpx.get(url).json()["spec"] is None
+        assert httpx.post(url, json={"replicas": 1}).status_code == 401
+        assert httpx.delete(url, params={"force": "true"}).status_code == 401
+        bad = httpx.post(url, json={"replicas": 1, "min_replicas": 2}, headers=AUTH)
+        assert bad.status_code == 422 and "lower min_replicas" in bad.text
+        assert httpx.get(url).json()["spec"] is None  # nothing was stored
+        created = httpx.post(url, json={"replicas": 1, "timeout_s": 12}, headers=AUTH)
+        assert created.status_code == 201, created.text
+        assert created.json()["spec"]["timeout_s"] == 12
+        epoch = wait_for(lambda: _epoch(etcd.url, job_id), 30, "the first epoch")
+        assert epoch["members"] == ["a"] and _waits(log) == 1  # said once
+        again = httpx.post(url, json={"replicas": 3}, headers=AUTH)
+        assert again.status_code == 409 and "delete it first" in again.text
+        assert httpx.get(url).json()["spec"]["replicas"] == 1  # unchanged
+        listed = httpx.get(f"{base}/v1/jobs").json()["jobs"]
+        assert {"job": job_id, "spec": created.json()["spec"]} in listed
+
+        # Delete: refused while a replica is registered, then forced; every key goes.
+        running = httpx.delete(url, headers=AUTH)
+        assert running.status_code == 409 and "--force" in running.text
+        assert httpx.delete(url, params={"force": "true"}, headers=AUTH).status_code == 200
+        left = asyncio.run(_job_keys(etcd.url, job_id))
+        assert set(left) <= {keys.leader(job_id), *(k for k in left
+                                                    if k.startswith(keys.controllers(job_id)))}
+        # The controller stays, waiting for a new spec: its next term starts clean.
+        wait_for(lambda: _waits(log) == 2, 30, "a new term waiting for a new spec")
+        wait_for(lambda: httpx.get(f"{base}/v1/sd/prometheus").json(), 30,
+                 "the controller's discovery record back")
+
+        # A new job of 8 replicas with 2 training: live work ETTR well under 1 (it would be
+        # 1.0 against one replica's capacity).
+        assert httpx.post(url, json={"replicas": 8}, headers=AUTH).status_code == 201
+        leases = {rid: asyncio.run(_register(etcd.url, job_id, rid, ReplicaState.MEMBER))
+                  for rid in ("a", "b")}
+        for step in range(1, 13):
+            for rid, lease in leases.items():
+                asyncio.run(_register(etcd.url, job_id, rid, ReplicaState.MEMBER, step, lease))
+        work = wait_for(lambda: _work_ettr(base, job_id), 30, "live work-based ETTR")
+        assert 0 < work < 0.75, work
+        assert _epoch(etcd.url, job_id) is None  # no stale epoch: the first waits for 8
+
+
+def _cli(*args: str, etcd_url: str):
+    return CliRunner().invoke(app, ["job", *args, "--etcd", etcd_url])
+
+
+def test_cli_lifecycle(etcd, job_id):
+    bad = _cli("create", job_id, "--replicas", "2", "--min-replicas", "3", etcd_url=etcd.url)
+    assert bad.exit_code == 2 and "lower min_replicas" in bad.output
+    assert "nothing was stored" in bad.output and not asyncio.run(_job_keys(etcd.url, job_id))
+
+    created = _cli("create", job_id, "--replicas", "2", "--checkpoint-every", "100",
+                   "--checkpoint-dir", "/shared/ckpt", "--replica-ids", "r0,r1",
+                   etcd_url=etcd.url)
+    assert created.exit_code == 0, created.output
+    assert "bypassing the controller's API" in created.output and "etcd credentials" in created.output
+    stored = json.loads(asyncio.run(_job_keys(etcd.url, job_id))[keys.spec(job_id)])
+    assert stored["checkpoint"] == {"every_steps": 100, "dir": "/shared/ckpt", "keep": 3}
+    assert stored["replica_ids"] == ["r0", "r1"] and stored["created_at"] <= time.time()
+
+    again = _cli("create", job_id, "--replicas", "5", etcd_url=etcd.url)
+    assert again.exit_code == 1 and "exists: delete it first" in again.output
+    assert json.loads(asyncio.run(_job_keys(etcd.url, job_id))[keys.spec(job_id)]) == stored
+
+    got = _cli("get", job_id, etcd_url=etcd.url)
+    assert got.exit_code == 0 and '"running": false' in got.output
+    listed = _cli("list", etcd_url=etcd.url)
+    assert listed.exit_code == 0
+    assert any(line.split("\t")[:3] == [job_id, "2", "1"] for line in listed.output.splitlines())
+
+    async def leave_a_run_behind() -> None:
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.epoch(job_id), {"number": 7, "members": ["r0"]})
+            await store.put_json(keys.failure(job_id, "r0", 0), {"reason": "x"})
+            await store.put_json(keys.agent(job_id, "r0", 0), {"host": "h"},
+                                 lease=await store.grant(60))
+    asyncio.run(leave_a_run_behind())
+    refused = _cli("delete", job_id, etcd_url=etcd.url)
+    assert refused.exit_code == 1 and "is running" in refused.output
+    assert _cli("delete", job_id, "--force", etcd_url=etcd.url).exit_code == 0
+    assert asyncio.run(_job_keys(etcd.url, job_id)) == {}  # every key, in one delete
+    gone = _cli("get", job_id, etcd_url=etcd.url)
+    assert gone.exit_code == 1 and "ftsystem job create" in gone.output
+    assert _cli("delete", job_id, etcd_url=etcd.url).exit_code == 1  # nothing to delete
+
+    # What an earlier run left without a spec (an epoch) keeps a new job from starting on it.
+    async def stale_epoch() -> None:
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.epoch(job_id), {"number": 3, "members": ["r0"]})
+    asyncio.run(stale_epoch())
+    stale = _cli("create", job_id, "--replicas", "1", etcd_url=etcd.url)
+    assert stale.exit_code == 1 and "earlier run's state (epoch 3)" in stale.output
+    assert _cli("delete", job_id, etcd_url=etcd.url).exit_code == 0
+    assert _cli("create", job_id, "--replicas", "1", etcd_url=etcd.url).exit_code == 0
+    assert set(asyncio.run(_job_keys(etcd.url, job_id))) == {keys.spec(job_id)}
