@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -13,6 +15,7 @@ from typer.testing import CliRunner
 from ftsystem.benchmarks.overhead import (
     QUICK_STEPS,
     SYSTEMS,
+    _wait_all,
     job_rate,
     parse_sizes,
     parse_systems,
@@ -84,3 +87,17 @@ def test_a_failing_ddp_rank_ends_the_baseline_with_its_log(tmp_path) -> None:
     with pytest.raises(RuntimeError, match=r"DDP rank \d exited with 1; its log ends:(.|\n)*"
                                            r"math domain error"):
         run_ddp(params=-5, steps=2, replicas=2, workdir=tmp_path)
+
+
+def test_ranks_with_results_written_are_not_waited_for_while_tearing_down() -> None:
+    # One rank exited 0; the other wrote its results but hangs tearing down (a sleep here).
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert _wait_all([done, stuck], 120, finished=lambda index: True, teardown_s=1) is None
+        assert stuck.poll() is None  # left to the caller to stop
+        # Without its results it is waited for, here until the timeout: (its index, None).
+        assert _wait_all([done, stuck], 1) == (1, None)
+    finally:
+        stuck.kill()
+        stuck.wait()

@@ -25,6 +25,7 @@ median over its replicas (they step in lockstep). No failure is injected.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -51,6 +52,11 @@ DEFAULT_SIZES = "10M,100M"
 QUICK_SIZES = "100K"
 QUICK_STEPS = 20
 DDP_TIMEOUT_S = 1800.0
+COLLECTIVE_TIMEOUT_S = 300.0
+"""A DDP rank's store and collective waits give up after this (gloo's default is 30 min): a
+rank whose peer is gone fails with its log instead of holding the benchmark."""
+TEARDOWN_S = 30.0
+"""How long ranks whose results are on disk may take to exit before they are stopped."""
 _SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9}
 
 
@@ -136,7 +142,8 @@ def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
 
     torch.set_num_threads(1)  # as ftsystem.example.train and torchft_replica: one core per replica
     dist.init_process_group("gloo", init_method=rendezvous_file(out).as_uri(), rank=rank,
-                            world_size=world_size)
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     torch.manual_seed(SEED)
     model = TinyGPT(ModelConfig.for_params(model_params) if model_params else ModelConfig())
     ddp = DistributedDataParallel(Loss(model))
@@ -150,8 +157,10 @@ def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
         ddp(batch).backward()
         optimizer.step()
         commits.append((step + 1, time.time()))
-    (out / f"rank{rank}.json").write_text(json.dumps(
+    result = out / f"rank{rank}.json"
+    result.with_suffix(".tmp").write_text(json.dumps(
         {"rank": rank, "commits": commits, "num_params": num_params(model)}))
+    result.with_suffix(".tmp").replace(result)  # whole or absent: run_ddp may read it at once
     dist.destroy_process_group()
 
 
@@ -166,14 +175,18 @@ def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[li
     run_ranks("DDP", lambda rank: [
         "-m", "ftsystem.benchmarks.overhead", "--rank", str(rank), "--world-size", str(replicas),
         "--steps", str(steps), "--model-params", str(params), "--out", str(workdir)],
-        world_size=replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S)
+        world_size=replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S,
+        finished=lambda rank: (workdir / f"rank{rank}.json").exists())
     return [json.loads(p.read_text())["commits"] for p in sorted(workdir.glob("rank*.json"))]
 
 
 def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int,
-              workdir: Path, timeout_s: float) -> None:
+              workdir: Path, timeout_s: float,
+              finished: Callable[[int], bool] = lambda rank: False) -> None:
     """Run ``python <args_of(rank)>`` for every rank, one process each, meeting at
-    :func:`rendezvous_file`; raise with the log of the first rank that failed."""
+    :func:`rendezvous_file`; raise with the log of the first rank that failed. A rank is done
+    when it exits 0 or, once every rank is ``finished`` (its results on disk), after
+    :data:`TEARDOWN_S`: a rank stuck tearing down then is stopped, not waited for."""
     from ftsystem.launch.launcher import ProcessGroup
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +196,7 @@ def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int
     try:
         ranks = [procs.start(f"rank{rank}", [sys.executable, *args_of(rank)], env=env)
                  for rank in range(world_size)]
-        failed = _wait_all(ranks, timeout_s)
+        failed = _wait_all(ranks, timeout_s, finished)
     finally:
         procs.stop_all()
     if failed is not None:
@@ -193,10 +206,16 @@ def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int
         raise RuntimeError(f"{what} rank {rank} {how}; its log ends:\n{tail}")
 
 
-def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
+def _wait_all(procs: list, timeout_s: float,
+              finished: Callable[[int], bool] = lambda index: False,
+              teardown_s: float = TEARDOWN_S) -> tuple[int, int | None] | None:
     """Wait until every process exited 0 (None), or one failed: (its index, exit code; None
-    when the timeout ran out). Its peers would wait for it forever, so stop at the first."""
+    when the timeout ran out). Its peers would wait for it forever, so stop at the first.
+    Once every process exited 0 or is ``finished``, the rest get ``teardown_s`` to exit, then
+    count as done: their results are written, and a teardown that hangs (a gloo peer or the
+    FileStore's file already gone) must not hold the benchmark for the whole timeout."""
     deadline = time.monotonic() + timeout_s
+    all_finished_at = None
     while time.monotonic() < deadline:
         codes = [proc.poll() for proc in procs]
         for index, code in enumerate(codes):
@@ -204,6 +223,10 @@ def _wait_all(procs: list, timeout_s: float) -> tuple[int, int | None] | None:
                 return index, code
         if all(code == 0 for code in codes):
             return None
+        if all(code == 0 or finished(index) for index, code in enumerate(codes)):
+            all_finished_at = all_finished_at or time.monotonic()
+            if time.monotonic() - all_finished_at > teardown_s:
+                return None  # the caller stops the ones still tearing down
         time.sleep(0.1)
     return next((i for i, proc in enumerate(procs) if proc.poll() is None), 0), None
 

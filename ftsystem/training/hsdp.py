@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
+import json
 import logging
 import os
 import time
@@ -973,14 +974,14 @@ class FTReplica:
         self.control.register(state=ReplicaState.DONE, step=self.step)
         deadline = time.monotonic() + linger_s
         while True:
-            registrations, agents = self._job_replicas()
+            items = self.control.job_items(keys.job(self.ctx.job) + "/")
+            registrations = _registrations(self.ctx.job, items)
             latest = self.control.epoch
             # Every rank of the replica takes the same branch: each one's collectives pair up.
             enter, everyone_done, timed_out = self.replica.any(
                 latest.number > self.ftar.epoch.number and self._needs_donor(latest,
                                                                               registrations),
-                not any(registrations.get(rid) is None or
-                        registrations[rid].state != ReplicaState.DONE for rid in agents),
+                not replicas_to_serve(self.ctx.job, items),
                 time.monotonic() > deadline)
             if timed_out:
                 log.warning("replica %s: stragglers still not done after %.0f s",
@@ -998,13 +999,6 @@ class FTReplica:
             registrations.get(m) is not None and registrations[m].state != ReplicaState.DONE
             for m in epoch.members)
 
-    def _job_replicas(self) -> tuple[dict[str, Registration], set[str]]:
-        job = self.ctx.job
-        items = self.control.job_items(keys.job(job) + "/")
-        regs = {keys.last_segment(k): Registration.from_json(v) for k, v in items.items()
-                if k.startswith(keys.replicas(job))}
-        agents = {keys.agent_replica(job, k) for k in items if k.startswith(keys.agents(job))}
-        return regs, agents
 
     def state_hash(self) -> str:
         """The digest of this rank's replicated state (its shard of parameters and optimizer
@@ -1034,3 +1028,35 @@ class _DiskExtras:
         r.objects.load_step_state(extras["objects"])
         r.objects.load_carry(extras["carry"])
         r._carry, r.chain = extras["carry"], extras["chain"]
+
+
+# --- the end of the job: pure logic -------------------------------------------------------------
+
+NOT_RESTARTED = ("", "stopped")
+"""How a generation ends when its agents do not start another: it still runs (or finished), or
+its agents were told to stop."""
+
+
+def _registrations(job: str, items: dict[str, bytes]) -> dict[str, Registration]:
+    return {keys.last_segment(k): Registration.from_json(v) for k, v in items.items()
+            if k.startswith(keys.replicas(job))}
+
+
+def replicas_to_serve(job: str, items: dict[str, bytes]) -> set[str]:
+    """Pure: the replicas a finished replica stays for (from the job's keys ``items``): each
+    one not done that may still come to load the final state from it.
+
+    That is a replica with a node agent, or one whose last generation ended in a failure and
+    that did not halt: its agents are restarting it. The second matters for a replica of
+    several nodes cut apart: its agents free each other's node ranks, and take their own back
+    only at their next node-lease renewal (up to ``NODE_LEASE_RENEW_S`` later), so meanwhile the
+    replica has no agent record at all; a finished replica that left then would take the job's
+    state with it, and the restarted one would train the job again from step 0."""
+    registrations = _registrations(job, items)
+    with_agent = {keys.agent_replica(job, k) for k in items if k.startswith(keys.agents(job))}
+    halted = {keys.last_segment(k) for k in items if k.startswith(keys.halts(job))}
+    restarting = {keys.last_segment(k) for k, v in items.items()
+                  if k.startswith(keys.generations(job))
+                  and json.loads(v).get("ended", "") not in NOT_RESTARTED}
+    return {rid for rid in with_agent | (restarting - halted)
+            if rid not in registrations or registrations[rid].state != ReplicaState.DONE}
