@@ -409,7 +409,11 @@ def test_the_straggler_bound_follows_the_step_time_between_floor_and_ceiling():
     derived = StragglerBound.from_env({}, Timeouts(30.0))
     assert (derived.floor_s, derived.ceiling_s) == (2.0, 10.0)
     assert StragglerBound.from_env({}, Timeouts(6.0)).floor_s == 2.0
+    # A floor above a job's ceiling (set for every job, this one with a short timeout): the
+    # ceiling wins.
+    assert StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FLOOR_S": "20"},
+                                   Timeouts(30.0)).bound_s([0.1]) == 10.0
     with pytest.raises(TimeoutConfigError, match="FTSYSTEM_STRAGGLER_FLOOR_S"):
-        StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FLOOR_S": "20"}, Timeouts(30.0))
+        StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FLOOR_S": "0"}, Timeouts(30.0))
     with pytest.raises(TimeoutConfigError, match="numbers"):
         StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FACTOR": "fast"}, Timeouts(30.0))

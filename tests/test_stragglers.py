@@ -17,7 +17,8 @@ TIMEOUT_S = 60.0  # the watchdog would restart a hung replica after 20 s
 
 
 @pytest.mark.timeout(600)
-def test_a_hung_replica_is_taken_out_within_the_straggler_bound(tmp_path):
+def test_a_hung_replica_is_taken_out_within_the_straggler_bound(tmp_path, monkeypatch):
+    monkeypatch.delenv("FTSYSTEM_STRAGGLER_FLOOR_S", raising=False)  # the default floor
     # r1's processes stop (SIGSTOP) for 25 s: its agent and lease stay healthy, so only the
     # survivors' wait at the all-reduce can tell. The bound: 4 x the median step time, at
     # least the 2 s floor.

@@ -110,7 +110,10 @@ class StragglerBound:
         """Defaults, overridden by the environment; the ceiling follows the one timeout."""
         try:
             ceiling = float(env.get(ENV_STRAGGLER_CEILING_S, timeouts.watchdog_s))
-            floor = float(env.get(ENV_STRAGGLER_FLOOR_S, min(DEFAULT_STRAGGLER_FLOOR_S, ceiling)))
+            # A floor set for all jobs may exceed the ceiling of one with a short timeout: the
+            # ceiling wins there (never later than the watchdog would restart a hung rank).
+            floor = min(float(env.get(ENV_STRAGGLER_FLOOR_S, DEFAULT_STRAGGLER_FLOOR_S)),
+                        ceiling)
             return cls(factor=float(env.get(ENV_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FACTOR)),
                        floor_s=floor, ceiling_s=ceiling)
         except ValueError as e:
