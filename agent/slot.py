@@ -91,12 +91,19 @@ class NodeSlot:
         lease = await self.store.grant(self.ttl_s)
         key = keys.agent(self.rendezvous.job, self.rendezvous.replica_id, node_rank)
         value = json.dumps(self.record | {"lease": lease, "node_rank": node_rank})
-        if await self.store.put_if_absent(key, value, lease=lease):
-            self.node_rank, self.lease = node_rank, lease
-            return None
-        await self._revoke(lease)
-        holder = await self.store.get_json(key)
-        return holder if holder is not None else {"node_id": self.record["node_id"], "lease": 0}
+        while True:
+            if await self.store.put_if_absent(key, value, lease=lease):
+                break
+            holder = await self.store.get_json(key)
+            if holder is None:
+                continue  # freed between the put and the read: try again
+            if holder.get("uid") == self.record["uid"] and holder.get("lease") == lease:
+                # Our own put, applied before a reconnect made the store retry it: we hold it.
+                break
+            await self._revoke(lease)
+            return holder
+        self.node_rank, self.lease = node_rank, lease
+        return None
 
     async def hold(self) -> None:
         """Keep the rank until cancelled; raises :class:`SlotTaken` if an outage outlived the
