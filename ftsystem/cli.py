@@ -20,6 +20,27 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(sim_app, name="sim")
 app.add_typer(chaos_app, name="chaos")
 
+SIM_EXTRA = ("matplotlib", "simpy")
+"""What ``ftsystem sim`` needs beyond the core (the ``[sim]`` extra)."""
+
+
+@sim_app.callback()
+def _sim_needs_its_extra() -> None:
+    missing = [name for name in SIM_EXTRA if not _importable(name)]
+    if missing:
+        typer.echo(f"error: ftsystem sim needs {' and '.join(missing)}, which this install "
+                   "lacks: pip install 'ftsystem[sim]' (or '.[sim]' from a checkout)", err=True)
+        raise typer.Exit(2)
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379)"
 # The names the ranks already read (ftsystem.training.runtime.ENV_ETCD, ENV_JOB): one setting for all.
 ENV_ETCD, ENV_JOB = "FTSYSTEM_ETCD", "FTSYSTEM_JOB"

@@ -83,6 +83,23 @@ def test_help_imports_neither_simulators_nor_plots():
     assert "Usage" in out and "LOADED []" in out, out
 
 
+def test_sim_without_its_extra_says_what_to_install():
+    probe = ("import sys\n"
+             "class Block:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] == 'simpy':\n"
+             "            raise ImportError(name + ' is not installed')\n"
+             "sys.meta_path.insert(0, Block())\n"
+             "from ftsystem.cli import main\n"
+             "sys.argv = ['ftsystem', 'sim', 'halos']\n"
+             "main()\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "ftsystem sim needs simpy" in done.stderr and "ftsystem[sim]" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_the_core_imports_without_the_sim_extra():
     """What runs a job (CLI, launcher, controller, agent, training) imports with matplotlib and
     simpy unavailable, as after ``pip install ftsystem`` without ``[sim]``."""
