@@ -12,6 +12,7 @@ starts no epoch before it (``controller/leader.py``). ``ftsystem job``, the REST
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -198,9 +199,12 @@ def _delete_hint(job: str) -> str:
     return f"`ftsystem job delete {job}` or DELETE /v1/jobs/{job}"
 
 
-async def create_job(store: Store, job: str, spec: JobSpec, *, now: float) -> JobSpec:
+async def create_job(store: Store, job: str, spec: JobSpec, *, now: float,
+                     exist_ok: bool = False) -> JobSpec:
     """Store the spec of a new job; returns it as stored. Raises ``JobExistsError`` if the
-    job has a spec, or an epoch an earlier run left behind, and stores nothing then."""
+    job has a spec, or an epoch an earlier run left behind, and stores nothing then.
+    ``exist_ok``: a job that exists with this very spec is no error (a deployment step that
+    runs again: a restarted pod, a requeued batch job); it is returned as it was stored."""
     left = await store.get_json(keys.epoch(job))
     if left is not None and await store.get(keys.spec(job)) is None:
         raise JobExistsError(
@@ -208,11 +212,17 @@ async def create_job(store: Store, job: str, spec: JobSpec, *, now: float) -> Jo
             f"{left.get('number')}): delete it first ({_delete_hint(job)}) so that the new "
             "job starts clean")
     stored = replace(spec, created_at=now)
-    if not await store.put_if_absent(keys.spec(job), json.dumps(stored.to_json(),
-                                                                 sort_keys=True)):
-        raise JobExistsError(f"job {job!r} exists: delete it first ({_delete_hint(job)}), or "
-                             "pick another job id")
-    return stored
+    if await store.put_if_absent(keys.spec(job), json.dumps(stored.to_json(), sort_keys=True)):
+        return stored
+    if exist_ok and (raw := await store.get_json(keys.spec(job))) is not None:
+        with contextlib.suppress(JobSpecError):
+            if replace(existing := parse_spec(raw), created_at=None) == replace(
+                    spec, created_at=None):
+                return existing
+        raise JobExistsError(f"job {job!r} exists with another spec ({json.dumps(raw)}): "
+                             f"delete it first ({_delete_hint(job)}), or pick another job id")
+    raise JobExistsError(f"job {job!r} exists: delete it first ({_delete_hint(job)}), or "
+                         "pick another job id")
 
 
 async def get_job(store: Store, job: str) -> dict[str, Any]:

@@ -98,6 +98,9 @@ def create(job: str = typer.Argument(..., help="job id"),
                                                      "comma-separated, e.g. r0,r1"),
            spec_file: Optional[Path] = typer.Option(None, "--spec", help="the spec as a JSON or "
                                                     "YAML file; options override its fields"),
+           exist_ok: bool = typer.Option(False, help="succeed if the job exists with this very "
+                                         "spec (a deployment step run again); a different "
+                                         "spec is still refused"),
            etcd: str = ETCD) -> None:
     """Create a job: store its spec. Refused if the job exists (delete it first)."""
     from ftsystem.control import jobs
@@ -114,7 +117,8 @@ def create(job: str = typer.Argument(..., help="job id"),
         raise _fail(f"{e}; nothing was stored")
     _note("POST")
     try:
-        stored = _run(lambda store: jobs.create_job(store, job, spec, now=time.time()), etcd)
+        stored = _run(lambda store: jobs.create_job(store, job, spec, now=time.time(),
+                                                    exist_ok=exist_ok), etcd)
     except jobs.JobExistsError as e:
         raise _refused(f"{e}; nothing was changed")
     typer.echo(json.dumps({"job": job, "spec": stored.to_json()}, indent=2))
