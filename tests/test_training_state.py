@@ -32,6 +32,7 @@ def _events(etcd_url: str, job: str, log_dir: Path) -> list[dict]:
         return httpx.get(f"{base}/v1/jobs/{job}/events", timeout=10).json()["events"]
 
 
+@pytest.mark.timeout(600)  # 5 restarts of up to 6 ranks on 2 cores: 3 minutes when idle
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-ranks-fsdp2"])
 def test_kills_in_every_phase_leave_every_replica_with_the_same_whole_state(etcd, job_id,
                                                                            tmp_path, ranks):
