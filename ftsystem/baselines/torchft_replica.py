@@ -183,11 +183,24 @@ def average_gradients(manager: Manager, model: torch.nn.Module) -> None:
         offset += grad.numel()
 
 
+def last_step(steps: int, last_step_file: Optional[Path]) -> Optional[int]:
+    """The step to train to: ``steps``, or the one ``last_step_file`` names (None while it does
+    not exist: train on)."""
+    if last_step_file is None:
+        return steps
+    try:
+        return int(last_step_file.read_text())
+    except FileNotFoundError:
+        return None
+
+
 def train(trainer: Trainer, manager: Manager, *, steps: int, progress: Path,
-          sleep_per_step: float) -> None:
-    """Step until ``steps`` steps are committed, recording and appending each commit."""
+          sleep_per_step: float, last_step_file: Optional[Path] = None) -> None:
+    """Step until ``steps`` steps are committed (or the step ``last_step_file`` names, once it
+    exists), recording and appending each commit."""
     with progress.open("a") as log:
-        while manager.current_step() < steps:
+        while (last := last_step(steps, last_step_file)) is None or \
+                manager.current_step() < last:
             if train_step(manager, trainer):
                 entry = [manager.current_step(), time.time()]
                 trainer.commits.append(entry)
@@ -219,6 +232,9 @@ def main(
     model_params: Optional[int] = typer.Option(
         None, help="Approximate model size; the workload's small default when omitted."),
     sleep_per_step: float = typer.Option(0.0, help="Seconds to sleep after each step."),
+    last_step_file: Optional[Path] = typer.Option(
+        None, help="Train to the step this file names instead of --steps, and on until the "
+                   "supervisor has written it."),
 ) -> None:
     """Train one torchft replica and write its commit timeline to ``--out``."""
     logging.basicConfig(level=logging.INFO,
@@ -231,7 +247,7 @@ def main(
     manager, _store = build_manager(trainer)
     try:
         train(trainer, manager, steps=steps, progress=progress_path(out),
-              sleep_per_step=sleep_per_step)
+              sleep_per_step=sleep_per_step, last_step_file=last_step_file)
     finally:
         manager.shutdown(wait=False)
     write_result(out, trainer, generation)

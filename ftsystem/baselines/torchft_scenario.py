@@ -50,6 +50,8 @@ MIN_REPLICAS = 1
 
 # How many commits every replica must have before a kill: training is underway.
 WARMUP_COMMITS = 3
+# Steps trained together after the victim's last rejoin, when the run waits for it.
+TAIL_STEPS = 3
 POLL_S = 0.05
 STDERR_TAIL_CHARS = 4000
 
@@ -303,12 +305,26 @@ class _Cluster:
             kill_and_reap(self.lighthouse)
 
 
-def _replica_argv(steps: int, model_params: Optional[int], sleep_per_step: float) -> list[str]:
+def _replica_argv(steps: int, model_params: Optional[int], sleep_per_step: float,
+                  last_step_file: Optional[Path] = None) -> list[str]:
     argv = [sys.executable, "-m", "ftsystem.baselines.torchft_replica", "--steps", str(steps),
             "--sleep-per-step", str(sleep_per_step)]
     if model_params is not None:
         argv += ["--model-params", str(model_params)]
+    if last_step_file is not None:
+        argv += ["--last-step-file", str(last_step_file)]
     return argv
+
+
+def _write_last_step(path: Path, step: int) -> None:
+    """Tell every replica the step to end at (atomically: none reads half a number)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(step))
+    tmp.replace(path)
+
+
+def _latest_step(cluster: "_Cluster") -> int:
+    return max((c[-1][0] for r in cluster.replicas.values() if (c := r.commits())), default=0)
 
 
 def _warmed_up(cluster: _Cluster) -> bool:
@@ -319,7 +335,8 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
                          model_params: Optional[int], workdir: Path, kill_interval_s: float,
                          victim: int = 1, sleep_per_step: float = 0.0,
                          timeout_s: float = 600.0, down_s: float = 0.0,
-                         lighthouse: Optional[LighthouseSettings] = None) -> dict:
+                         lighthouse: Optional[LighthouseSettings] = None,
+                         until_rejoined: bool = False) -> dict:
     """Train ``num_replicas`` torchft replicas and SIGKILL ``victim`` ``num_failures`` times.
 
     A kill SIGKILLs the victim's whole process group at once (the replica leads its own
@@ -331,15 +348,19 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
     The first kill comes ``kill_interval_s`` after every replica has committed a few steps;
     each later one ``kill_interval_s`` after the previous kill, but never before the restarted
     victim has committed a step (it has healed and rejoined the quorum). Kills stop early if
-    the victim finishes training first. Returns ``failures`` (unix kill times), ``rejoins``
-    (unix time of each restarted victim generation's first commit), ``results`` (each
-    replica's final-generation result), ``crashed`` (replicas that failed without being
+    the victim finishes training first. With ``until_rejoined``, the replicas train on past
+    ``steps`` until the victim has rejoined after its last kill, and ``TAIL_STEPS`` more: the
+    run ends on that event, not on a step count that a slow restart could outlast (the
+    survivors gone, the victim would train alone). Returns ``failures`` (unix kill times),
+    ``rejoins`` (unix time of each restarted victim generation's first commit), ``results``
+    (each replica's final-generation result), ``crashed`` (replicas that failed without being
     killed, with their output's tail) and ``settings``.
     """
     if not 0 <= victim < num_replicas:
         raise ValueError(f"victim {victim} is not one of the {num_replicas} replicas")
     failures: list[float] = []
-    argv = _replica_argv(steps, model_params, sleep_per_step)
+    last_step_file = workdir / "last_step" if until_rejoined else None
+    argv = _replica_argv(steps, model_params, sleep_per_step, last_step_file)
     with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s,
                   lighthouse_settings=lighthouse) as cluster:
         for index in range(num_replicas):
@@ -355,6 +376,11 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
                 break
             last = cluster.kill(victim, down_s)
             failures.append(last)
+        if last_step_file is not None:
+            killed = target.generation if failures else -1
+            cluster.wait_until(lambda: target.generation > killed and bool(target.commits()),
+                               "the victim to rejoin")
+            _write_last_step(last_step_file, max(steps, _latest_step(cluster) + TAIL_STEPS))
         cluster.wait_until(cluster.all_finished, "all replicas to finish")
         return {"failures": failures, "rejoins": target.rejoin_times(),
                 "results": cluster.results(), "crashed": cluster.crashed,

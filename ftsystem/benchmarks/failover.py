@@ -71,6 +71,7 @@ then (not still restarting from the previous failure)."""
 TORCHFT_SETTINGS = ("torchft", "torchft_1s")
 """The torchft runs of the host scenario: at torchft's default lighthouse timing, and at the
 1 s heartbeat timeout of the process scenario (``torchft_scenario`` constants)."""
+SYSTEMS = ("ftsystem", *TORCHFT_SETTINGS)
 
 
 def _registration(etcd: str, job: str, rid: str) -> dict | None:
@@ -141,7 +142,8 @@ def run_torchft(*, num_replicas: int, num_failures: int, steps: int, kill_interv
     out = run_torchft_failover(num_replicas=num_replicas, num_failures=num_failures,
                                steps=steps, model_params=model_params or None,
                                workdir=workdir, kill_interval_s=kill_interval_s, victim=VICTIM,
-                               sleep_per_step=sleep_per_step, lighthouse=_lighthouse(setting))
+                               sleep_per_step=sleep_per_step, lighthouse=_lighthouse(setting),
+                               until_rejoined=True)
     timelines = {str(r["replica"]): r["commits"] for r in out["results"]}
     victim = next((rid for rid in timelines if rid.endswith(str(VICTIM))), str(VICTIM))
     return _stalls(timelines, out["failures"], victim) | {
@@ -181,11 +183,17 @@ def failover(json_path: Optional[Path] = typer.Option(None, "--json", help="writ
              sleep_per_step: float = typer.Option(0.05, help="emulated compute per step"),
              model_params: int = typer.Option(0, help="model size (0: the small default)"),
              skip_torchft: bool = typer.Option(False, help="run ftsystem only"),
+             systems: str = typer.Option(",".join(SYSTEMS),
+                                         help="comma-separated, ftsystem and the torchft "
+                                              "settings, of " + ", ".join(SYSTEMS)),
+             replicas: int = typer.Option(4, min=2, help="replicas of each run (the victim "
+                                                         "is r1)"),
              rounds: int = typer.Option(2, min=1, help="rounds, the order of the systems "
                                                        "alternated per round (quick: 1)"),
              down: float = typer.Option(HOST_DOWN_S, help="host: seconds a host stays down"),
-             steps: int = typer.Option(0, help="host: steps per run (0: enough for the "
-                                                "failures, see host_steps)"),
+             steps: int = typer.Option(0, help="steps per run (0: enough for the failures; "
+                                                "process: (failures + 2) x interval of "
+                                                "emulated compute, host: see host_steps)"),
              nodes_per_replica: list[int] = typer.Option(
                  [1], help="host: nodes per replica (repeat for several layouts; the first is "
                            "the JSON's top level, the others under 'layouts')"),
@@ -201,29 +209,52 @@ def failover(json_path: Optional[Path] = typer.Option(None, "--json", help="writ
                               rounds=1 if quick else rounds,
                               interval_s=kill_interval or HOST_INTERVAL_S, down_s=down,
                               sleep_per_step=sleep_per_step, model_params=model_params,
-                              layouts=nodes_per_replica, skip_torchft=skip_torchft,
-                              workdir=workdir, steps=steps)
+                              layouts=nodes_per_replica,
+                              torchft_settings=[
+                                  name for name in _systems(systems, skip_torchft)
+                                  if name in TORCHFT_SETTINGS],
+                              workdir=workdir, steps=steps, num_replicas=replicas)
         print_host_table(data)
         report.write_json(json_path, data)
         return
     kill_interval = kill_interval or 8.0
     num_failures = failures or (2 if quick else 5)
+    if steps and steps <= WARMUP_STEPS:
+        raise typer.BadParameter(f"the first kill comes after step {WARMUP_STEPS}: pass more "
+                                 "steps", param_hint="--steps")
     data = run_process_bench(num_failures=num_failures, kill_interval_s=kill_interval,
                              sleep_per_step=sleep_per_step, model_params=model_params,
-                             rounds=1 if quick else rounds, skip_torchft=skip_torchft)
+                             rounds=1 if quick else rounds,
+                             systems=_systems(systems, skip_torchft), num_replicas=replicas,
+                             steps=steps)
     print_process_table(data)
     report.write_json(json_path, data)
 
 
+def _systems(names: str, skip_torchft: bool) -> list[str]:
+    """The systems of ``--systems``, in ``SYSTEMS`` order; ftsystem is always one."""
+    chosen = {name.strip() for name in names.split(",") if name.strip()}
+    if unknown := sorted(chosen - set(SYSTEMS)):
+        raise typer.BadParameter(f"unknown system(s) {', '.join(unknown)}: pick from "
+                                 f"{', '.join(SYSTEMS)}", param_hint="--systems")
+    if "ftsystem" not in chosen:
+        raise typer.BadParameter("every figure is compared with ftsystem's: include ftsystem",
+                                 param_hint="--systems")
+    return [name for name in SYSTEMS if name in chosen
+            and not (skip_torchft and name in TORCHFT_SETTINGS)]
+
+
 def run_process_bench(*, num_failures: int, kill_interval_s: float, sleep_per_step: float,
-                      model_params: int, rounds: int, skip_torchft: bool) -> dict:
-    """The process scenario: ftsystem and torchft (at its defaults and at 1 s), ``rounds``
-    times, the order alternated per round."""
-    steps = int((num_failures + 2) * kill_interval_s / sleep_per_step)
-    scenario = dict(num_replicas=4, num_failures=num_failures, steps=steps,
+                      model_params: int, rounds: int, systems: list[str],
+                      num_replicas: int = 4, steps: int = 0) -> dict:
+    """The process scenario on ``systems`` (ftsystem, torchft at its defaults and at 1 s),
+    ``rounds`` times, the order alternated per round. ftsystem trains ``steps`` (0: enough for
+    the failures) and its victim catches up from the survivors even once they are done;
+    torchft's survivors train on until the victim has rejoined after its last kill."""
+    steps = steps or int((num_failures + 2) * kill_interval_s / sleep_per_step)
+    scenario = dict(num_replicas=num_replicas, num_failures=num_failures, steps=steps,
                     kill_interval_s=kill_interval_s, sleep_per_step=sleep_per_step,
                     model_params=model_params)
-    systems = ["ftsystem", *([] if skip_torchft else TORCHFT_SETTINGS)]
 
     def run(name: str, r: int, root: Path) -> dict:
         print(f"failover: round {r + 1}/{rounds}: {name}", flush=True)
@@ -246,7 +277,7 @@ def run_process_bench(*, num_failures: int, kill_interval_s: float, sleep_per_st
         data[name] = theirs
         data[f"median_stall_ratio_{name}_over_ftsystem"] = (
             _ratio_spread(runs[name], runs["ftsystem"], theirs, ours) if theirs else None)
-    if not skip_torchft:
+    if set(systems) & set(TORCHFT_SETTINGS):
         from ftsystem.baselines.torchft_scenario import lighthouse_defaults, manager_defaults
         data["torchft_defaults"] = {"lighthouse": lighthouse_defaults(),
                                     "manager": manager_defaults()}
@@ -399,7 +430,8 @@ def _host_stalls(timelines: dict, faults: list[dict], victim: str) -> dict:
 
 def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: float,
                    sleep_per_step: float, model_params: int, layouts: list[int],
-                   skip_torchft: bool, workdir: Optional[Path], steps: int = 0) -> dict:
+                   torchft_settings: list[str], workdir: Optional[Path],
+                   steps: int = 0, num_replicas: int = 4) -> dict:
     """Every system of the host scenario, ``rounds`` times, the order alternated per round."""
     from ftsystem.launch.netns import netns_supported
     if (why := netns_supported()) is not None:
@@ -407,10 +439,9 @@ def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: flo
     layouts = list(dict.fromkeys(layouts)) or [1]
     if any(n < 1 for n in layouts):
         raise ValueError(f"--nodes-per-replica must be at least 1, not {layouts}")
-    common = dict(num_replicas=4, num_failures=failures, down_s=down_s,
+    common = dict(num_replicas=num_replicas, num_failures=failures, down_s=down_s,
                   sleep_per_step=sleep_per_step, model_params=model_params)
-    systems = [f"ftsystem_{n}" for n in layouts] + ([] if skip_torchft else
-                                                      list(TORCHFT_SETTINGS))
+    systems = [f"ftsystem_{n}" for n in layouts] + torchft_settings
     # torchft's replica is one process: its runs are sized and timed like a one-node replica.
     nodes = {name: int(name.split("_")[1]) if name.startswith("ftsystem_") else 1
              for name in systems}
@@ -442,7 +473,7 @@ def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: flo
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    setup = {"num_replicas": 4, "victim": replica_id(VICTIM), "failures_per_round": failures,
+    setup = {"num_replicas": num_replicas, "victim": replica_id(VICTIM), "failures_per_round": failures,
              "rounds": rounds, "interval_s": intervals, "down_s": down_s, "steps": planned,
              "sleep_per_step": sleep_per_step, "model_params": model_params,
              "warmup_steps": WARMUP_STEPS, "ftsystem_timeout_s": HOST_TIMEOUT_S,
