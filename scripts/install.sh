@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Installs what ftsystem needs on a fresh Debian 12 machine: etcd, Prometheus, util-linux
-# (setpriv), iproute2 (network namespaces), Chromium (the status page's browser test), and a virtual environment .venv with
-# the project and its test dependencies.
+# Installs ftsystem on a fresh Debian 12 machine (root, Python 3.11) into a virtual environment
+# .venv at the repository root.
+#
+#   bash scripts/install.sh          what a job needs: etcd, util-linux (setpriv), iproute2
+#                                    (network namespaces for --netns), torch and ftsystem
+#   bash scripts/install.sh --test   also what the tests need: Prometheus (promtool), Chromium
+#                                    (the status page's browser test), the [test] extra
+#                                    (pytest, schemathesis, the simulators' matplotlib and simpy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  "") test=0 ;;
+  --test) test=1 ;;
+  *) echo "usage: bash scripts/install.sh [--test]" >&2; exit 2 ;;
+esac
 missing=()
 command -v etcd >/dev/null || missing+=(etcd-server)
-command -v prometheus >/dev/null || missing+=(prometheus)
 command -v setpriv >/dev/null || missing+=(util-linux)
-command -v chromium >/dev/null || missing+=(chromium)
-command -v ip >/dev/null || missing+=(iproute2)  # network namespaces (partition tests)
+command -v ip >/dev/null || missing+=(iproute2)
+if [ "$test" = 1 ]; then
+  command -v prometheus >/dev/null || missing+=(prometheus)
+  command -v chromium >/dev/null || missing+=(chromium)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
@@ -18,4 +30,8 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch first, pinned: this takes the CPU wheel on disk instead of a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test]'
+if [ "$test" = 1 ]; then
+  .venv/bin/pip install -q -e '.[test]'
+else
+  .venv/bin/pip install -q -e .
+fi

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,10 +191,15 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_ctrl_c_on_run_leaves_no_process_behind(tmp_path):
-    run = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "run", "--replicas", "2",
-                            "--steps", "100000", "--out", str(tmp_path), "--sleep-per-step",
-                            "0.05"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    printed = tmp_path / "printed.txt"
+    with printed.open("w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "run", "--replicas", "2",
+                                "--steps", "100000", "--out", str(tmp_path), "--sleep-per-step",
+                                "0.05"], stdout=out, stderr=subprocess.DEVNULL)
     try:
+        # It says where to look first.
+        wait_for(lambda: re.search(r"status page: http://127\.0\.0\.1:\d+/", printed.read_text()),
+                 120, "the status page's URL")
         # etcd, a controller, 2 agents and their 2 replicas (each behind its setpriv exec)
         tree = wait_for(lambda: len(d := _descendants(run.pid)) >= 6 and
                         (tmp_path / "results").exists() and d, 120, "the job to start")

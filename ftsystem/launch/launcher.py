@@ -343,10 +343,14 @@ def job_spec(cfg: RunConfig) -> jobs.JobSpec:
                         replica_ids=tuple(replica_id(i) for i in range(cfg.num_replicas)))
 
 
-def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents) -> None:
+def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents,
+                        status_page: str | None) -> None:
     if not cfg.show_progress:  # nothing to show: reading etcd would only take CPU from training
         agents.wait()
         return
+    if status_page:
+        print(f"status page: {status_page}  (logs, results and summary: {cfg.out_dir}/)",
+              flush=True)
     columns = (TextColumn("[bold]{task.description}"), BarColumn(),
                TextColumn("step {task.completed:.0f}/{task.total:.0f} {task.fields[info]}"),
                TimeElapsedColumn())
