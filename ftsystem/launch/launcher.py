@@ -234,7 +234,8 @@ def run_job(cfg: RunConfig) -> dict:
             if cfg.chaos:
                 asyncio.run(_submit_chaos(etcd, cfg))
             started = time.time()
-            _wait_with_progress(cfg, etcd, agents)
+            status_page = f"http://127.0.0.1:{ports[0]}/" if ports else None
+            _wait_with_progress(cfg, etcd, agents, status_page)
             summary = asyncio.run(_summarize(cfg, etcd, agents, time.time() - started))
             summary["controllers"] = [f"http://127.0.0.1:{port}" for port in ports]
         finally:
