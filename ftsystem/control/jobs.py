@@ -95,7 +95,7 @@ def parse_spec(raw: Any) -> JobSpec:
                            'e.g. {"replicas": 4, "min_replicas": 2}')
     problems: list[str] = []
     if unknown := sorted(set(raw) - SPEC_FIELDS):
-        problems.append(f"unknown field(s) {', '.join(map(repr, unknown))}: the fields are "
+        problems.append(f"unknown field(s) {', '.join(map(_shown, unknown))}: the fields are "
                         f"{', '.join(sorted(SPEC_FIELDS))}")
     if "replicas" not in raw:
         problems.append("replicas is missing: give the number of data-parallel replicas")
@@ -130,9 +130,15 @@ def _field(name: str, value: Any, problems: list[str]) -> Any:
     return parse(value, problems)
 
 
+def _shown(value: Any) -> str:
+    """A rejected value as the error quotes it: whatever a client sent, kept short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _count(name: str, value: Any, problems: list[str], *, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        problems.append(f"{name} must be an integer >= {least}, not {value!r}")
+        problems.append(f"{name} must be an integer >= {least}, not {_shown(value)}")
         return least
     return value
 
@@ -144,7 +150,7 @@ def _finite(value: Any) -> bool:
 
 def _created_at(value: Any, problems: list[str]) -> float | None:
     if not _finite(value):
-        problems.append(f"created_at must be a Unix time, not {value!r}")
+        problems.append(f"created_at must be a Unix time, not {_shown(value)}")
         return None
     return float(value)
 
@@ -152,14 +158,14 @@ def _created_at(value: Any, problems: list[str]) -> float | None:
 def _timeout(value: Any, problems: list[str]) -> float:
     if not _finite(value) or value < MIN_TIMEOUT_S:
         problems.append(f"timeout_s must be a number of seconds >= {MIN_TIMEOUT_S:g} (the lease "
-                        f"TTL is a third of it), not {value!r}")
+                        f"TTL is a third of it), not {_shown(value)}")
         return JobSpec.__dataclass_fields__["timeout_s"].default
     return float(value)
 
 
 def _replica_ids(value: Any, problems: list[str]) -> tuple[str, ...] | None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        problems.append(f"replica_ids must be a list of strings, not {value!r}")
+        problems.append(f"replica_ids must be a list of strings, not {_shown(value)}")
         return None
     for rid in value:
         try:
@@ -174,10 +180,10 @@ def _replica_ids(value: Any, problems: list[str]) -> tuple[str, ...] | None:
 def _checkpoint(value: Any, problems: list[str]) -> CheckpointPolicy:
     if not isinstance(value, Mapping):
         problems.append('checkpoint must be an object, e.g. {"every_steps": 100, "dir": '
-                        f'"/shared/ckpt", "keep": 3}}, not {value!r}')
+                        f'"/shared/ckpt", "keep": 3}}, not {_shown(value)}')
         return CheckpointPolicy()
     if unknown := sorted(set(value) - CHECKPOINT_FIELDS):
-        problems.append(f"unknown checkpoint field(s) {', '.join(map(repr, unknown))}: the "
+        problems.append(f"unknown checkpoint field(s) {', '.join(map(_shown, unknown))}: the "
                         f"fields are {', '.join(sorted(CHECKPOINT_FIELDS))}")
     policy = CheckpointPolicy()
     if "every_steps" in value:
@@ -189,7 +195,8 @@ def _checkpoint(value: Any, problems: list[str]) -> CheckpointPolicy:
         if isinstance(value["dir"], str):
             policy = replace(policy, dir=value["dir"])
         else:
-            problems.append(f"checkpoint.dir must be a path (a string), not {value['dir']!r}")
+            problems.append("checkpoint.dir must be a path (a string), not "
+                            f"{_shown(value['dir'])}")
     return policy
 
 
