@@ -60,6 +60,9 @@ EXIT_HALTED = 3
 majority, replicas that register different objects."""
 EXIT_BAD_INPUT = 2
 """The agent's exit status when its flags contradict the job or its replica (nothing ran)."""
+EXIT_MISSED_THE_END = 4
+"""The agent's exit status when the job finished while its replica was down and every replica
+holding the final state has left: training again from scratch would end in another state."""
 TEARDOWN_S = 60.0
 """A rank whose interpreter is exiting (``runtime.EXITING_MARK``) gets this long to exit before
 it counts as hung: destroying process groups takes seconds, a wedged NCCL destructor forever."""
@@ -208,6 +211,10 @@ class Agent:
     async def _supervise(self) -> int:
         backoff, last = self.cfg.backoff_s, -1
         for _ in range(self.cfg.max_restarts + 1):
+            missed = await self._until_etcd_back(self._missed_the_end)
+            if missed:
+                log.error("%s", missed)
+                return EXIT_MISSED_THE_END
             generation = await self._unless_stopped(
                 self._until_etcd_back(lambda: self._next_generation(last)))
             if generation is None:
@@ -238,6 +245,15 @@ class Agent:
         log.error("replica %s: giving up after %d restarts", self.cfg.replica_id,
                   self.cfg.max_restarts)
         return 1
+
+    async def _missed_the_end(self) -> str | None:
+        job = self.cfg.job
+        finished = await self.store.get_json(keys.finished(job))
+        if finished is None:
+            return None
+        items, _ = await self.store.get_prefix(keys.replicas(job))
+        return missed_the_end(self.cfg.replica_id, finished,
+                              {keys.last_segment(k) for k in items})
 
     async def _until_etcd_back(self, op: Callable[[], Awaitable[T]]) -> T | None:
         """``op()``, retried across an etcd outage however long; tried once more, then None,
@@ -518,6 +534,20 @@ def gpu_env_per_rank(gpus: list[str], num_procs: int) -> list[dict[str, str]]:
                          f"{num_procs} ranks per replica: list one GPU per rank, or leave "
                          "--gpus out to give rank k the node's GPU k")
     return [{ENV_VISIBLE_GPUS: gpu} for gpu in gpus[:num_procs]]
+
+
+def missed_the_end(replica_id: str, finished: dict, registered: set[str]) -> str | None:
+    """Why the replica must not (re)start, or None (pure): the job ``finished`` and no other
+    replica is registered, so none is left to hand it the final state. (A finished replica
+    stays registered while it waits for replicas that are restarting: they catch up from it.)"""
+    if registered - {replica_id}:
+        return None
+    return (f"replica {replica_id}: the job finished at step {finished.get('step')} (first "
+            f"reached by {finished.get('replica')}) while this replica was down, and every "
+            "replica holding the final state has left: not starting it again, which would "
+            "train from scratch to another state. Take the final state from the finished "
+            "replicas' outputs or checkpoints; to run the job again, delete it first "
+            "(ftsystem job delete)")
 
 
 def hang_reason(rank: int, age: float, mark: str | None, watchdog_s: float) -> str | None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+from agent.supervisor import EXIT_MISSED_THE_END, missed_the_end
 from ftsystem.control import keys
+from ftsystem.launch.launcher import RunConfig, run_job
 from ftsystem.training.hsdp import replicas_to_serve
 from ftsystem.control.membership import Registration, ReplicaState
 
@@ -43,3 +47,28 @@ def test_done_halted_stopped_and_finished_replicas_are_not_waited_for() -> None:
     items.update([_agent("r5", 0), _registration("r6", ReplicaState.CATCHING_UP),
                   _agent("r6", 0)])
     assert replicas_to_serve(JOB, items) == {"r5", "r6"}
+
+
+def test_a_replica_restarted_after_everyone_left_a_finished_job_is_not_trained_again() -> None:
+    finished = {"step": 150, "replica": "r0"}
+    assert missed_the_end("r1", finished, {"r0"}) is None  # r0 waits for it: catch up from r0
+    reason = missed_the_end("r1", finished, {"r1"})  # only its own, stale or not
+    assert "finished at step 150" in reason and "ftsystem job delete" in reason
+    assert missed_the_end("r1", finished, set())
+
+
+def test_an_agent_started_for_a_finished_job_with_nobody_left_refuses(etcd, job_id, tmp_path):
+    # A whole job runs to its end; an agent for one of its replicas arrives afterwards (a host
+    # back from repair, a restart loop that outlived the job).
+    cfg = RunConfig(num_replicas=1, num_steps=10, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    train_args=["--linger", "0"], show_progress=False)
+    summary = run_job(cfg)
+    assert summary["agents_ok"] and summary["steps"] == 10
+    marker = tmp_path / "ran"
+    program = [sys.executable, "-c", f"open({str(marker)!r}, 'a').write('ran')"]
+    late = subprocess.run([sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd.url,
+                           "--job", job_id, "--replica-id", "r0", "--", *program],
+                          capture_output=True, text=True, timeout=120)
+    assert late.returncode == EXIT_MISSED_THE_END, late.stderr[-2000:]
+    assert "the job finished at step 10" in late.stderr
+    assert not marker.exists()  # nothing was started

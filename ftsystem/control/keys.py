@@ -88,11 +88,16 @@ def layout(job_id: str, replica_id: str) -> str:
     return f"{job(job_id)}/layouts/{check_id('replica', replica_id)}"
 
 
+def generations(job_id: str) -> str:
+    """Prefix of the replicas' current generations."""
+    return f"{job(job_id)}/generations/"
+
+
 def generation(job_id: str, replica_id: str) -> str:
     """The replica's current generation (no lease): which agent holds each node rank, the
     replica lease, where rank 0 listens, and whether it still runs. Written in transactions
     by the replica's agents: node rank 0 opens a generation, any node ends it."""
-    return f"{job(job_id)}/generations/{check_id('replica', replica_id)}"
+    return f"{generations(job_id)}{check_id('replica', replica_id)}"
 
 
 def metrics_endpoints(job_id: str) -> str:
@@ -154,6 +159,12 @@ def divergence(job_id: str, step: int, replica_id: str) -> str:
 def halts(job_id: str) -> str:
     """Prefix of halted replicas (no lease: the reason outlives the process)."""
     return f"{job(job_id)}/halted/"
+
+
+def finished(job_id: str) -> str:
+    """Written (no lease) by the first replica to reach the end of the job: its last step. A
+    replica restarted after every holder of the final state has left must not train again."""
+    return f"{job(job_id)}/finished"
 
 
 def halted(job_id: str, replica_id: str) -> str:

@@ -971,6 +971,10 @@ class FTReplica:
         the final state from; the done replicas keep entering epochs that contain it.
         """
         self._member_state = ReplicaState.DONE
+        if self.control.speaks_for_replica and \
+                self.control.get_json(keys.finished(self.ctx.job)) is None:
+            self.control.put_json(keys.finished(self.ctx.job), {
+                "step": self.step, "replica": self.ctx.replica_id, "time": time.time()})
         self.control.register(state=ReplicaState.DONE, step=self.step)
         deadline = time.monotonic() + linger_s
         while True:
