@@ -116,6 +116,23 @@ def test_live_ettr_credits_coalesced_reports_and_not_a_joiners_jump():
     assert LiveEttr(num_replicas=1).values(1.0) == {"ettr_time": None, "ettr_work": None}
 
 
+def test_live_step_rate_covers_the_recent_window_and_falls_during_a_stall():
+    live = LiveEttr(num_replicas=1, rate_window_s=10.0)
+    assert live.step_rate(0.0) is None
+    # 10 steps/s for 30 s, reported once a second; then nothing (a stall)
+    for t in range(31):
+        live.observe("a", 10 * t, True, float(t))
+    assert live.step_rate(30.0) == pytest.approx(10.0)
+    assert live.step_rate(35.0) == pytest.approx(5.0)  # half of the last 10 s stalled
+    assert live.step_rate(45.0) == pytest.approx(0.0)
+    assert live.measured_s == 30.0
+    # a younger tracker measures since its first report
+    young = LiveEttr(num_replicas=1, rate_window_s=10.0)
+    young.observe("a", 0, True, 100.0)
+    young.observe("a", 6, True, 102.0)
+    assert young.step_rate(103.0) == pytest.approx(2.0)
+
+
 def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_path):
     """End to end: the run's summary measures each fault from the execution of its chaos order,
     so a stall includes the detection in front of it: for the hang, the watchdog (a third of

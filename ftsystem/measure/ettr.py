@@ -58,6 +58,8 @@ class LiveEttr:
     num_replicas: int
     window: int = 200
     """Per-step gaps kept for the normal step time."""
+    rate_window_s: float = 120.0
+    """The recent past over which :meth:`step_rate` is measured."""
     _job_step: int = -1
     _job_time: float = 0.0
     _first_time: float | None = None
@@ -65,6 +67,8 @@ class LiveEttr:
     _per_step: deque = field(init=False)
     _replica_steps: dict = field(default_factory=dict)
     _work_steps: int = 0
+    _recent: deque = field(default_factory=deque)
+    """(time, job step) of each advance over the last ``rate_window_s``, and the one before."""
 
     def __post_init__(self) -> None:
         self._per_step = deque(maxlen=self.window)
@@ -83,6 +87,9 @@ class LiveEttr:
             self._per_step.append((now - self._job_time) / advanced)
             self._productive_s += min(now - self._job_time, advanced * self.step_s)
         self._job_step, self._job_time = step, now
+        self._recent.append((now, step))
+        while len(self._recent) > 2 and self._recent[1][0] <= now - self.rate_window_s:
+            self._recent.popleft()
 
     def forget(self, replica: str) -> None:
         """The replica's registration is gone (failed, or finished): its next one starts over."""
@@ -91,6 +98,22 @@ class LiveEttr:
     @property
     def step_s(self) -> float:
         return statistics.median(self._per_step) if self._per_step else 0.0
+
+    def step_rate(self, now: float) -> float | None:
+        """Steps per second the job advanced over the last ``rate_window_s`` (since the first
+        report if that is more recent), up to ``now``: a stall lowers it while it lasts."""
+        if len(self._recent) < 2:
+            return None
+        start = max(self._recent[0][0], now - self.rate_window_s)
+        if now <= start:
+            return None
+        base = next(step for t, step in reversed(self._recent) if t <= start)
+        return (self._job_step - base) / (now - start)
+
+    @property
+    def measured_s(self) -> float | None:
+        """Seconds from the first report this tracker saw to the last."""
+        return None if self._first_time is None else self._job_time - self._first_time
 
     def values(self, now: float) -> dict[str, float | None]:
         """Time- and work-based ETTR from the first commit seen until ``now``."""
