@@ -473,8 +473,9 @@ def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: flo
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    setup = {"num_replicas": num_replicas, "victim": replica_id(VICTIM), "failures_per_round": failures,
-             "rounds": rounds, "interval_s": intervals, "down_s": down_s, "steps": planned,
+    setup = {"num_replicas": num_replicas, "victim": replica_id(VICTIM),
+             "failures_per_round": failures, "rounds": rounds, "interval_s": intervals,
+             "down_s": down_s, "steps": planned,
              "sleep_per_step": sleep_per_step, "model_params": model_params,
              "warmup_steps": WARMUP_STEPS, "ftsystem_timeout_s": HOST_TIMEOUT_S,
              "victim_training_s": VICTIM_TRAINING_S}
