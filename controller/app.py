@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import BearerAuth, load_token
-from controller.leader import LeaderConfig, run_elections
+from controller.leader import LeaderConfig, LiveTerm, run_elections
 from controller.status_page import status_router
 from ftsystem.chaos import rate as chaos_rate
 from ftsystem.control import jobs, keys
@@ -35,6 +35,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
     """The controller's app. Raises ``AuthConfigError`` (before anything starts) when no API
     token is configured and ``insecure`` is not set."""
     is_leader = asyncio.Event()
+    term = LiveTerm()  # what this instance measures while it leads, for its status page
     # On the app, not per route: a route added later is closed by default too.
     auth = BearerAuth(load_token(), insecure=insecure)
     metrics.init_controller(cfg.job)
@@ -42,7 +43,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await store.connect()
-        tasks = [asyncio.create_task(run_elections(store, cfg, is_leader))]
+        tasks = [asyncio.create_task(run_elections(store, cfg, is_leader, term))]
         tasks[0].add_done_callback(_exit_on_crash)
         if cfg.address:
             record = HeldKey(store, keys.controller(cfg.job, cfg.instance_id), cfg.lease_ttl_s)
@@ -173,7 +174,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
         return Response(json.dumps({"detail": str(exc)}), status_code=503,
                         media_type="application/json")
 
-    app.include_router(status_router(store, cfg))
+    app.include_router(status_router(store, cfg, term))
     return app
 
 

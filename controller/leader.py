@@ -70,6 +70,14 @@ class LeaderConfig:
     """The replicas' lease TTL: members that vanish in a mass lapse are held for it + 2 s."""
 
 
+@dataclass(slots=True)
+class LiveTerm:
+    """What this instance measures while it leads, for its own status page; empty while it
+    does not (a standby's page names the leader instead)."""
+
+    ettr: LiveEttr | None = None
+
+
 class JobDeletedError(StoreError):
     """The job's spec was deleted under the leader: its term ends, and the next one waits for
     a new spec, with nothing of the deleted job in memory."""
@@ -104,8 +112,10 @@ async def wait_for_spec(store: Store, job: str) -> tuple[JobSpec, int]:
             break  # it changed: read it again
 
 
-async def run_elections(store: Store, cfg: LeaderConfig, is_leader: asyncio.Event) -> None:
+async def run_elections(store: Store, cfg: LeaderConfig, is_leader: asyncio.Event,
+                        term: LiveTerm | None = None) -> None:
     """Campaign, lead until the lease is lost, campaign again; forever, across etcd outages."""
+    term = term if term is not None else LiveTerm()
     while True:
         try:
             lease = await campaign(store, cfg)
@@ -117,11 +127,12 @@ async def run_elections(store: Store, cfg: LeaderConfig, is_leader: asyncio.Even
         is_leader.set()
         metrics.IS_LEADER.labels(cfg.job).set(1)
         try:
-            await _lead_while_leased(store, cfg, lease)
+            await _lead_while_leased(store, cfg, lease, term)
         except StoreError as e:
             log.warning("controller %s lost leadership: %s", cfg.instance_id, e)
         finally:
             is_leader.clear()
+            term.ettr = None
             metrics.IS_LEADER.labels(cfg.job).set(0)
             await _revoke_quietly(store, lease)
 
@@ -146,10 +157,11 @@ async def _wait_deleted(store: Store, key: str) -> None:
             return
 
 
-async def _lead_while_leased(store: Store, cfg: LeaderConfig, lease: int) -> None:
+async def _lead_while_leased(store: Store, cfg: LeaderConfig, lease: int,
+                             term: LiveTerm) -> None:
     keep_alive = asyncio.create_task(
         store.keep_alive(lease, cfg.lease_ttl_s, every_s=LEADER_RENEW_S))
-    lead = asyncio.create_task(MembershipLoop(store, cfg, lease).run())
+    lead = asyncio.create_task(MembershipLoop(store, cfg, lease, term).run())
     try:
         done, _ = await asyncio.wait({keep_alive, lead}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -170,8 +182,10 @@ async def _revoke_quietly(store: Store, lease: int) -> None:
 class MembershipLoop:
     """Follows registrations and publishes epochs as ``decide`` says."""
 
-    def __init__(self, store: Store, cfg: LeaderConfig, lease: int) -> None:
+    def __init__(self, store: Store, cfg: LeaderConfig, lease: int,
+                 term: LiveTerm | None = None) -> None:
         self.store, self.cfg, self.lease = store, cfg, lease
+        self.term = term if term is not None else LiveTerm()
         self.registrations: dict[str, Registration] = {}
         self.assignments: dict[str, str | None] = {}
         self.epoch: Epoch | None = None
@@ -209,7 +223,7 @@ class MembershipLoop:
                              if m not in self.registrations}
         # ETTR from the moment this instance leads (a new leader starts its own count),
         # against the job's capacity: every replica of the spec.
-        self.ettr = LiveEttr(num_replicas=spec.replicas)
+        self.ettr = self.term.ettr = LiveEttr(num_replicas=spec.replicas)
         watchers = [asyncio.create_task(self._watch(keys.replicas(self.cfg.job), revision + 1)),
                     asyncio.create_task(self._watch(keys.spec(self.cfg.job), spec_revision + 1))]
         try:

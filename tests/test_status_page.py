@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from conftest import wait_for
-from controller.status_page import render_page
+from controller.status_page import MAX_REPLICA_ROWS, NUM_ORDERS_SHOWN, Progress, render_page
+from ftsystem.chaos.spec import Order, spec_from_mapping, submit
 from ftsystem.control import keys
 from ftsystem.control.etcd_server import free_port
 from ftsystem.chaos.faults import FaultPoint
@@ -30,17 +31,113 @@ SAVE_SCREENSHOT_ENV = "FTSYSTEM_SAVE_SCREENSHOT"
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "status_page.png"
 
 
+def _put(items: dict, key: str, value: dict) -> None:
+    items[key] = json.dumps(value).encode()
+
+
+def _section(page: str, table_id: str) -> str:
+    table = page[page.index(f'<table id="{table_id}">'):]
+    return table[:table.index("</table>")]
+
+
 def test_every_value_is_escaped():
     job, evil = "demo", '<img src=x onerror="alert(1)">'
-    items = {
-        keys.epoch(job): json.dumps({"number": 2, "members": [evil], "reason": evil}).encode(),
-        keys.replicas(job) + evil: json.dumps(
-            {"state": evil, "step": evil, "generation": 0, "host": evil}).encode(),
-        keys.failures(job) + evil + "/000001": json.dumps(
-            {"time": 1.0, "reason": evil, "step": evil}).encode(),
-    }
+    items: dict[str, bytes] = {}
+    _put(items, keys.epoch(job), {"number": 2, "members": [evil], "reason": evil})
+    _put(items, keys.replicas(job) + evil,
+         {"state": evil, "step": evil, "generation": 0, "host": evil})
+    _put(items, keys.failures(job) + evil + "/000001", {"time": 1.0, "reason": evil, "step": evil})
+    _put(items, keys.replicas(job) + "j" + evil, {"state": "catching_up", "step": evil})
+    _put(items, keys.catchups(job) + "j" + evil, {"donor": evil, "state_addr": evil})
+    items[keys.chaos(job, "o")] = _order(evil, at=1.0).to_json().encode()
+    items[keys.leader(job)] = evil.encode()
     page = render_page(job, items, instance=evil, now=2.0)
     assert "<img" not in page and page.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") > 5
+    for table in ("joiners", "chaos"):
+        assert "&lt;img src=x" in _section(page, table), table
+    assert "&lt;img src=x" in page[page.index('<p id="progress">'):]  # the leader's name
+
+
+def _order(text: str, *, at: float, state: str = "done", replica: str | None = None) -> Order:
+    return Order(id=f"o-{text}", action=text, replica=text if replica is None else replica, at=at,
+                 state=state, outcome=text if state != "pending" else "",
+                 executed_at=at + 0.1 if state != "pending" else None)
+
+
+def test_progress_shows_the_leaders_ettr_and_step_rate_and_a_standby_names_the_leader():
+    job, items = "demo", {keys.leader("demo"): b"c-leader"}
+    progress = Progress(ettr_work=0.8125, ettr_time=0.97, step_rate=12.5, window_s=120.0,
+                        measured_s=42.0)
+    page = render_page(job, items, instance="c-leader", now=100.0, progress=progress)
+    assert '<span class="figure" id="ettr-work">0.812</span>' in page
+    assert '<span class="figure" id="ettr-time">0.970</span>' in page
+    assert '<span class="figure" id="step-rate">12.50</span> steps/s over the last 2 min' in page
+    assert "for 42 s" in page
+    young = Progress(ettr_work=None, ettr_time=None, step_rate=None, window_s=120.0,
+                     measured_s=None)
+    assert '<span class="figure" id="ettr-work">-</span>' in render_page(
+        job, items, instance="c-leader", now=100.0, progress=young)
+    standby = render_page(job, items, instance="c-standby", now=100.0)
+    assert "measured by the leading controller (c-leader)" in standby
+    assert 'id="ettr-work"' not in standby
+
+
+def test_joiners_show_their_donor_and_how_far_behind_they_are():
+    job, items = "demo", {}
+    _put(items, keys.replica(job, "r0"), {"state": "member", "step": 500, "generation": 0})
+    for rid, step in (("r1", 0), ("r2", 120), ("r3", 0)):
+        _put(items, keys.replica(job, rid), {"state": "catching_up", "step": step})
+    _put(items, keys.catchup(job, "r1"), {"donor": "r0", "state_addr": "h:1"})
+    _put(items, keys.catchup(job, "r2"), {"donor": "", "state_addr": ""})
+    # r3: no assignment yet
+    joiners = _section(render_page(job, items, instance="c", now=1.0), "joiners")
+    rows = dict(re.findall(r'<tr data-replica="(r\d)">(.*?)</tr>', joiners))
+    assert sorted(rows) == ["r1", "r2", "r3"]  # r0 is a member, not a joiner
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", rows["r1"]) == ["r1", "r0", "0", "500", "500"]
+    assert "none: full state sync" in rows["r2"] and "waiting for the leader" in rows["r3"]
+    assert re.findall(r'<td class="num">([^<]*)</td>', rows["r3"]) == ["0", "-", "-"]
+    nobody = render_page(job, {}, instance="c", now=1.0)
+    assert '<td class="muted" colspan="5">none</td>' in _section(nobody, "joiners")
+    assert '<td class="muted" colspan="6">none</td>' in _section(nobody, "chaos")
+
+
+def test_chaos_shows_the_last_orders_with_their_outcomes_then_the_next_pending_ones():
+    job, items, now = "demo", {}, 1000.0
+    orders = [_order(f"k{i}", at=float(i), state="failed" if i == 3 else "done", replica="r1")
+              for i in range(NUM_ORDERS_SHOWN + 5)]
+    orders += [_order(f"p{i}", at=now + 60 * (i + 1), state="pending", replica="r2")
+               for i in range(3)]
+    for order in orders:
+        items[keys.chaos(job, order.id)] = order.to_json().encode()
+    page = render_page(job, items, instance="c", now=now)
+    assert f"chaos orders ({NUM_ORDERS_SHOWN + 4} done, 1 failed, 3 pending)" in page
+    shown = re.findall(r'<tr data-order="([^"]+)">', _section(page, "chaos"))
+    newest = [f"o-k{i}" for i in reversed(range(5, NUM_ORDERS_SHOWN + 5))]
+    assert shown == newest  # the last N executed fill the table: no room for pending ones
+    row = re.search(r'<tr data-order="o-k24">.*?</tr>', page).group(0)
+    assert "<td>k24</td><td>r1</td>" in row and 'class="outcome-done">done<' in row
+    # with fewer executed orders, the next pending ones follow, soonest first
+    few = {k: v for k, v in items.items() if json.loads(v)["state"] == "pending"
+           or json.loads(v)["id"] in ("o-k3", "o-k4")}
+    page = render_page(job, few, instance="c", now=now)
+    shown = re.findall(r'<tr data-order="([^"]+)">', _section(page, "chaos"))
+    assert shown == ["o-k4", "o-k3", "o-p0", "o-p1", "o-p2"]
+    assert 'class="outcome-failed">failed<' in page and "(in 60 s)" in page
+
+
+def test_thousands_of_replicas_list_only_those_that_are_not_members():
+    job, items = "demo", {}
+    members = [f"r{i:04d}" for i in range(MAX_REPLICA_ROWS + 1000)]
+    _put(items, keys.epoch(job), {"number": 3, "members": members[:-2], "reason": "join"})
+    for rid in members[:-2]:
+        _put(items, keys.replica(job, rid), {"state": "member", "step": 9, "generation": 0})
+    for rid in members[-2:]:
+        _put(items, keys.replica(job, rid), {"state": "catching_up", "step": 0})
+    page = render_page(job, items, instance="c", now=1.0)
+    rows = re.findall(r'<tr data-replica="([^"]+)">', _section(page, "replicas"))
+    assert rows == members[-2:]
+    assert (f"{len(members)} replicas: 2 catching_up, {len(members) - 2} member; "
+            "listed: 2 that are not members") in page
 
 
 @pytest.mark.slow
@@ -58,7 +155,11 @@ def test_live_page_in_headless_chromium(etcd, job_id, tmp_path):
     runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
     runner.start()
     try:
+        # one real chaos order, harmless: r0 slowed for half a second once training runs
+        order = _submit_slow_r0(etcd.url, job_id)
         wait_for(lambda: _rejoined(base, job_id), 120, "r1 to fail and rejoin", poll=0.2)
+        wait_for(lambda: _order_state(etcd.url, job_id, order) != "pending", 60,
+                 "the chaos order to be executed", poll=0.2)
         dom = _chromium(tmp_path, "--dump-dom", f"{base}/").stdout
         screenshot = tmp_path / "status_page.png"
         _chromium(tmp_path, f"--screenshot={screenshot}", f"{base}/")
@@ -73,6 +174,14 @@ def test_live_page_in_headless_chromium(etcd, job_id, tmp_path):
     assert re.search(r'<tr data-replica="r1">.*killed by SIGKILL', failures), failures
     r1 = re.search(r'<tr data-replica="r1">.*?</tr>', dom).group(0)
     assert re.findall(r'<td class="num">([^<]*)</td>', r1)[1:] == ["1", "1"], r1  # gen, restarts
+    # the leader's live ETTR and step rate: the job has trained
+    ettr_work = float(re.search(r'<span class="figure" id="ettr-work">([^<]*)<', dom).group(1))
+    assert 0.0 < ettr_work <= 1.0, dom
+    assert float(re.search(r'<span class="figure" id="step-rate">([^<]*)<', dom).group(1)) > 0
+    assert '<table id="joiners">' in dom  # r1 has caught up: the table may be empty
+    chaos = dom[dom.index('<table id="chaos">'):]
+    row = re.search(rf'<tr data-order="{re.escape(order)}">.*?</tr>', chaos).group(0)
+    assert "<td>slow</td><td>r0</td>" in row and 'class="outcome-done">done<' in row, row
     assert screenshot.stat().st_size > 10_000
     if os.environ.get(SAVE_SCREENSHOT_ENV) == "1":
         shutil.copyfile(screenshot, DOCS_SCREENSHOT)
@@ -89,6 +198,27 @@ def _rejoined(base: str, job: str) -> bool:
     r1 = [r for r in view["replicas"] if r["id"] == "r1"]
     return (sorted(view["epoch"]["members"]) == ["r0", "r1"] and bool(r1)
             and (r1[0]["state"], r1[0]["generation"], r1[0]["restarts"]) == ("member", 1, 1))
+
+
+def _submit_slow_r0(etcd_url: str, job: str) -> str:
+    """Submit, as ``ftsystem chaos apply`` does, once r0's agent is registered."""
+    async def go() -> str | None:
+        async with Store(etcd_url) as store:
+            agents, _ = await store.get_prefix(keys.replica_agents(job, "r0"))
+            if not agents:
+                return None
+            spec = spec_from_mapping({"action": "slow", "duration": "500ms",
+                                      "selector": {"replicas": ["r0"]}, "after_step": 5})
+            return (await submit(store, job, spec, "page-test", now=time.time()))[0].id
+
+    return wait_for(lambda: asyncio.run(go()), 60, "r0's agent to register", poll=0.2)
+
+
+def _order_state(etcd_url: str, job: str, order: str) -> str:
+    async def go() -> str:
+        async with Store(etcd_url) as store:
+            return (await store.get_json(keys.chaos(job, order)))["state"]
+    return asyncio.run(go())
 
 
 def _stop_job(etcd_url: str, job: str, runner: threading.Thread) -> None:
