@@ -47,6 +47,7 @@ from ftsystem.control.membership import Registration, ReplicaState
 from ftsystem.launch.procs import die_with_parent, signal_group
 from ftsystem.training.runtime import DEFAULT_TIMEOUT_S
 from ftsystem.control.store import LeaseLostError, Store, StoreUnavailableError
+from ftsystem.control.tokens import ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError, load_token
 from ftsystem.control.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class AgentConfig:
     gpus: list[str] = field(default_factory=list)
     """One GPU per rank (``--gpus 0,1``, as ``CUDA_VISIBLE_DEVICES`` names them): rank k sees
     only ``gpus[k]``. Empty: every rank sees all of the node's GPUs and uses cuda:LOCAL_RANK."""
+    insecure: bool = False
+    """Run the ranks without the job's token (``--insecure``): their state servers then hand
+    the weights to anyone who reaches them. Without it the agent needs ``FTSYSTEM_API_TOKEN``
+    (or ``FTSYSTEM_API_TOKEN_FILE``) and hands the token to its ranks."""
 
     @property
     def layout(self) -> Layout:
@@ -136,6 +141,7 @@ class Agent:
         if cfg.nodes < 1 or cfg.nproc_per_node < 1:
             raise ValueError("--nodes and --nproc-per-node must be at least 1")
         self.cfg = cfg
+        self.token_env = job_token_env(load_token(), insecure=cfg.insecure)
         self.gpu_envs = gpu_env_per_rank(cfg.gpus, cfg.nproc_per_node)
         if len(cfg.gpus) > cfg.nproc_per_node:
             log.warning("--gpus lists %d GPUs for %d ranks: %s stay unused", len(cfg.gpus),
@@ -405,7 +411,8 @@ class Agent:
     async def _spawn(self, generation: Generation) -> list[Path]:
         heartbeats = []
         self.children = []
-        base = os.environ | replica_env(self.spec, self.cfg.replica_id) | {
+        inherited = {k: v for k, v in os.environ.items() if k not in JOB_TOKEN_VARIABLES}
+        base = inherited | self.token_env | replica_env(self.spec, self.cfg.replica_id) | {
             runtime.ENV_ETCD: self.cfg.etcd, runtime.ENV_JOB: self.cfg.job,
             runtime.ENV_REPLICA: self.cfg.replica_id,
             runtime.ENV_GENERATION: str(generation.number),
@@ -522,6 +529,29 @@ def parse_gpus(text: str) -> list[str]:
         raise ValueError(f"--gpus {text!r} has an empty entry: give GPUs separated by commas, "
                          "like 0,1,2,3")
     return gpus
+
+
+JOB_TOKEN_VARIABLES = (runtime.ENV_JOB_TOKEN, runtime.ENV_INSECURE)
+"""Set for the ranks by the agent alone: never inherited from the agent's own environment."""
+
+
+def job_token_env(token: str | None, *, insecure: bool) -> dict[str, str]:
+    """What the ranks learn of the job's token (pure): their state servers require it and their
+    fetches send it. Closed by default: no token and no ``--insecure`` is refused."""
+    if token is not None:
+        if insecure:
+            log.warning("--insecure has no effect: the job's token is set, and the ranks' state "
+                        "servers require it")
+        return {runtime.ENV_JOB_TOKEN: token}
+    if not insecure:
+        raise AuthConfigError(
+            f"no job token: set {ENV_TOKEN} (or {ENV_TOKEN_FILE} to a file holding it) to the "
+            "job's token, the one its controllers have; the replica's state servers require it "
+            "of every fetch. Or pass --insecure to let anyone who reaches them read the "
+            "weights and optimizer state")
+    log.warning("--insecure: the replica's state servers hand its weights and optimizer state "
+                "to anyone who reaches them")
+    return {runtime.ENV_INSECURE: "1"}
 
 
 def gpu_env_per_rank(gpus: list[str], num_procs: int) -> list[dict[str, str]]:

@@ -9,29 +9,15 @@ compared in constant time and never logged. A controller with no token starts on
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
 
 from fastapi import HTTPException, Request
 
+from ftsystem.control.tokens import (  # noqa: F401 (AuthConfigError, load_token: this API)
+    ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError, bearer_matches, load_token)
+
 log = logging.getLogger(__name__)
-ENV_TOKEN = "FTSYSTEM_API_TOKEN"
-ENV_TOKEN_FILE = "FTSYSTEM_API_TOKEN_FILE"
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-class AuthConfigError(ValueError):
-    """Neither a token nor ``--insecure``: the controller refuses to start."""
-
-
-def load_token() -> str | None:
-    if path := os.environ.get(ENV_TOKEN_FILE):
-        try:
-            return open(path).read().strip() or None
-        except OSError as e:
-            raise AuthConfigError(f"{ENV_TOKEN_FILE}={path}: cannot read the token ({e})") from e
-    return os.environ.get(ENV_TOKEN) or None
 
 
 class BearerAuth:
@@ -52,8 +38,7 @@ class BearerAuth:
     def __call__(self, request: Request) -> None:
         if self._token is None or request.method in READ_ONLY_METHODS:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):
+        if not bearer_matches(request.headers.get("authorization", ""), self._token):
             raise HTTPException(401, "missing or wrong bearer token: send "
                                      "'Authorization: Bearer <token>'",
                                 headers={"WWW-Authenticate": "Bearer"})

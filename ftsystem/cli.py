@@ -180,10 +180,16 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
               "free ports, found through the controller's /v1/sd/prometheus"),
           gpus: str = typer.Option("", help="one GPU per rank, e.g. 0,1,2,3: rank k sees only "
                                    "the k-th (CUDA_VISIBLE_DEVICES); default: every rank sees "
-                                   "the node's GPUs and uses cuda:LOCAL_RANK")
+                                   "the node's GPUs and uses cuda:LOCAL_RANK"),
+          insecure: bool = typer.Option(False, help="run the ranks without the job's token: "
+                                        "their state servers hand the weights to anyone who "
+                                        "reaches them")
           ) -> None:
     """Supervise one node of a replica: meet the replica's other agents, launch this node's
-    ranks, restart the replica with them when any part of it fails."""
+    ranks, restart the replica with them when any part of it fails.
+
+    Needs the job's token in FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), which it hands to
+    its ranks, unless --insecure."""
     import os
     from agent.main import run_agent
     from agent.supervisor import AgentConfig, parse_gpus
@@ -220,7 +226,7 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
                       nproc_per_node=nproc_per_replica or nproc_per_node,
                       max_restarts=max_restarts, peer_timeout_s=peer_timeout,
                       watchdog_s=timeouts.watchdog_s, lease_ttl_s=timeouts.lease_ttl_s,
-                      kill_at=points, host=host, gpus=gpu_list,
+                      kill_at=points, host=host, gpus=gpu_list, insecure=insecure,
                       **({"node_id": node_id} if node_id else {}))
     try:
         code = run_agent(cfg)

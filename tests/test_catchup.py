@@ -18,6 +18,7 @@ from ftsystem.training.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, 
                               Snapshotter, StateServer, UpdateLog, fetch_log, fetch_snapshot,
                               tree_tensors)
 from ftsystem.training.fingerprint import GENESIS
+from ftsystem.training.state_access import Credentials, StateAccess
 from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.control.store import Store
@@ -53,7 +54,11 @@ def _served_state() -> dict:
 def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
     state, log = _served_state(), UpdateLog()
     snapshotter = Snapshotter(lambda: state)
-    server = StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 12, timeout_s=10)
+    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
+                         assigned_donor=lambda rid: None)
+    server = StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 12, timeout_s=10,
+                         access=access)
+    member = Credentials("r1", "t")
     try:
         stop = threading.Event()
 
@@ -61,7 +66,7 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
             while not stop.wait(0.01):
                 snapshotter.after_commit(12)
         threading.Thread(target=train, daemon=True).start()
-        snapshot = fetch_snapshot(server.address, 10)
+        snapshot = fetch_snapshot(server.address, 10, credentials=member)
         stop.set()
         assert snapshot.step == 12 and snapshot.nbytes > 2 * 1000 * 300 * 4
         assert snapshot.stats()["transfer_bytes_per_s"] > 0
@@ -74,15 +79,15 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
         grads = [torch.randn(5000) for _ in range(KEEP_MIN_ENTRIES + 2)]
         for step, grad in enumerate(grads, start=13):
             log.append(step, LoggedUpdate(grad, parent=b"p%d" % step, chain=b"c%d" % step))
-        updates, head, nbytes = fetch_log(server.address, 14, 10)
+        updates, head, nbytes = fetch_log(server.address, 14, 10, credentials=member)
         assert head == 12 and nbytes > 4 * 5000 * len(updates)  # head: current_step's answer
         assert [s for s, _ in updates] == list(range(15, 13 + len(grads)))
         assert all(torch.equal(u.grad, grads[s - 13]) and u.chain == b"c%d" % s
                    for s, u in updates)
-        assert fetch_log(server.address, 1, 10) is None  # dropped: fetch a snapshot
+        assert fetch_log(server.address, 1, 10, credentials=member) is None  # dropped
         assert snapshotter.step == -1  # and the old snapshot was freed for a newer one
         with pytest.raises(DonorUnavailableError, match="409"):
-            fetch_snapshot(server.address, 10, at_step=5)  # committed already
+            fetch_snapshot(server.address, 10, at_step=5, credentials=member)  # committed
     finally:
         server.shutdown()
 
@@ -182,11 +187,13 @@ def test_a_dead_joiner_frees_the_donor(etcd, job_id, tmp_path, monkeypatch):
         wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
                  r["state"] == "catching_up", 120, "r1 to catch up")
         status_url = f"http://{_registration(etcd.url, job_id, 'r0')['state_addr']}/status"
-        wait_for(lambda: httpx.get(status_url).json()["snapshot_step"] >= 0, 30,
+        auth = {"Authorization": f"Bearer {(tmp_path / 'api-token').read_text()}"}
+        wait_for(lambda: httpx.get(status_url, headers=auth).json()["snapshot_step"] >= 0, 30,
                  "r0 to serve a snapshot")
         os.kill(_registration(etcd.url, job_id, "r1")["pid"], signal.SIGKILL)
-        freed = wait_for(lambda: (s := httpx.get(status_url).json())["snapshot_step"] == -1
-                         and not s["session_active"] and s, 30, "r0 to free its snapshot")
+        freed = wait_for(lambda: (s := httpx.get(status_url, headers=auth).json())[
+            "snapshot_step"] == -1 and not s["session_active"] and s, 30,
+            "r0 to free its snapshot")
     finally:
         runner.join(300)
     # it keeps only the last few updates (for step reconciliation), not the session's log

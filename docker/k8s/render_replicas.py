@@ -23,6 +23,9 @@ HALTED_EXIT = 3
 STOPPED_EXIT = 130
 """`ftsystem agent` exits 130 when stopped by SIGTERM."""
 INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+TOKEN_SECRET = "ftsystem-api-token"
+"""The job's token (docker/README.md), mounted as in the controllers' pods."""
+TOKEN_DIR = "/var/run/secrets/ftsystem"
 
 
 def train_command(index: int) -> list[str]:
@@ -108,6 +111,9 @@ def pod_spec(index: int, shape: Shape) -> dict:
             # NCCL's intra-node transport and DataLoader workers use /dev/shm; the container
             # runtime's default is 64 MiB.
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gi}Gi"}},
+            # The job's token, the controllers' Secret: the agent hands it to its ranks, whose
+            # state servers require it; a pod without it does not start.
+            {"name": "api-token", "secret": {"secretName": TOKEN_SECRET}},
         ],
     }
 
@@ -139,7 +145,8 @@ def agent_container(index: int, shape: Shape) -> dict:
                       "limits": memory | {"nvidia.com/gpu": gpus}},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "results", "mountPath": "/data"},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "api-token", "mountPath": TOKEN_DIR, "readOnly": True}],
     }
 
 
@@ -154,7 +161,8 @@ def agent_env() -> list[dict]:
     # of the args does not depend on that. --host must be reachable from the replica's other
     # nodes (the pod IP), --node-id names the machine.
     return [field("JOB_COMPLETION_INDEX", INDEX_ANNOTATION), field("POD_IP", "status.podIP"),
-            field("NODE_NAME", "spec.nodeName"), config("JOB_ID"), config("ETCD_ENDPOINTS")]
+            field("NODE_NAME", "spec.nodeName"), config("JOB_ID"), config("ETCD_ENDPOINTS"),
+            {"name": "FTSYSTEM_API_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"}]
 
 
 DEFAULTS = {"replicas": 2, "nodes": 2, "nproc_per_node": 8, "shm_gi": 16, "memory_gi": 64}

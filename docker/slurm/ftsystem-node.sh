@@ -6,7 +6,8 @@
 # Arguments: the replica's program (or --address: print the advertised address and exit); the word {replica} in it becomes the replica's index (its
 # data shard). Environment: ETCD_ENDPOINTS, JOB_ID, NODES_PER_REPLICA, NPROC_PER_NODE (required),
 # SPARES_PER_REPLICA (0), TIMEOUT (30), FTSYSTEM (the CLI, default: ftsystem on PATH),
-# ADVERTISE_ADDRESS or HOST_INTERFACE (which address other nodes reach this one at).
+# ADVERTISE_ADDRESS or HOST_INTERFACE (which address other nodes reach this one at),
+# FTSYSTEM_API_TOKEN_FILE (the job's token, which the agent requires; ftsystem.sbatch sets it).
 set -euo pipefail
 
 fail() {

@@ -47,6 +47,7 @@ from ftsystem.cli import bench_app
 from ftsystem.control.etcd_server import EmbeddedEtcd
 from ftsystem.launch.launcher import ProcessGroup, RunConfig, agent_command, run_job
 from ftsystem.control.store import Store
+from ftsystem.control.tokens import ENV_TOKEN
 
 WARMUP_STEPS = 5
 BATCH_SIZE, LR = 8, 1e-3  # torchft_replica's, so that both train the same thing
@@ -145,8 +146,11 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
             _admit(etcd.url, cfg.job, "r2")
             launched = time.time()
             extra = ProcessGroup(cfg.out_dir)
+            # The run's token, which its agents hand to their ranks' state servers.
+            token = (cfg.out_dir / "api-token").read_text()
             joiner = extra.start("agent-r2", ["nice", "-n", str(JOINER_NICENESS),
-                                              *agent_command(cfg, etcd.url, 2)])
+                                              *agent_command(cfg, etcd.url, 2)],
+                                 env=os.environ | {ENV_TOKEN: token})
             joiner.wait()
             runner.join()
     finally:

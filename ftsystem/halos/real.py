@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -28,6 +29,7 @@ from ftsystem.control.etcd_server import EmbeddedEtcd
 from ftsystem.halos.realconfig import GPS, RealConfig, lps_name, worker_name
 from ftsystem.launch.launcher import ProcessGroup
 from ftsystem.control.store import Store
+from ftsystem.control.tokens import ENV_TOKEN
 
 ROLE_MODULES = {"gps": "ftsystem.halos.gps", "lps": "ftsystem.halos.lps",
                 "w": "ftsystem.halos.worker"}
@@ -107,8 +109,10 @@ def run(cfg: LaunchConfig) -> dict:
     with _etcd(cfg.etcd, cfg.out_dir / "etcd") as etcd:
         asyncio.run(_prepare(etcd, cfg.job, real))
         started = time.time()
+        # The agents are closed by default: they need the job's token to start their nodes.
+        env = os.environ | {ENV_TOKEN: secrets.token_hex(16)}
         try:
-            agents = {name: procs.start(f"agent-{name}", agent_command(cfg, etcd, name))
+            agents = {name: procs.start(f"agent-{name}", agent_command(cfg, etcd, name), env)
                       for name in real.node_names()}
             summary = asyncio.run(_watch(etcd, cfg, real, agents, started))
         finally:

@@ -35,9 +35,7 @@ from ftsystem.launch.procs import die_with_parent
 from ftsystem.training.runtime import ENV_TIMEOUT
 from ftsystem.chaos.services import ServiceChaos
 from ftsystem.control.store import Store, StoreError
-
-ENV_API_TOKEN = "FTSYSTEM_API_TOKEN"
-"""The controllers' API token (``controller.auth``; not imported: the web stack stays out)."""
+from ftsystem.control.tokens import ENV_TOKEN as ENV_API_TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +222,9 @@ def run_job(cfg: RunConfig) -> dict:
                                                         "--advertise-address", "127.0.0.1"),
                     # The leader derives the replicas' lease TTL from the same timeout.
                     env=os.environ | {ENV_TIMEOUT: str(cfg.timeout_s), ENV_API_TOKEN: token}))
-            agents = NodeAgents(cfg, etcd, node_hosts, procs, os.environ | _checkpoint_env(cfg))
+            # The agents hand the job's token to their ranks: their state servers require it.
+            agents = NodeAgents(cfg, etcd, node_hosts, procs,
+                                os.environ | _checkpoint_env(cfg) | {ENV_API_TOKEN: token})
             for index, node_rank in agents.nodes():
                 if (host := agents.host(index, node_rank)) is not None:
                     services.add_node(replica_id(index), node_rank, host, functools.partial(
@@ -246,8 +246,8 @@ def run_job(cfg: RunConfig) -> dict:
 
 
 def _api_token(out_dir: Path) -> str:
-    """A fresh token for this run's controllers, also in ``OUT/api-token`` (owner-only) for
-    whoever posts chaos to their API while the run lasts."""
+    """A fresh token for this run (its controllers, its agents and their ranks' state servers),
+    also in ``OUT/api-token`` (owner-only) for whoever posts chaos to the API while it lasts."""
     token = secrets.token_hex(16)
     path = out_dir / "api-token"
     path.unlink(missing_ok=True)

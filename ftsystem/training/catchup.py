@@ -20,7 +20,8 @@ Donor side (every replica can donate):
 - :class:`StateServer` answers ``/snapshot`` (take one and stream it) and
   ``/log?after=STEP``, and reports itself at ``/status``. A session ends when nobody has
   asked for ``FTSYSTEM_CATCHUP_IDLE_S`` (10 s): a recovering replica that died no longer
-  holds the donor's memory.
+  holds the donor's memory. Every request needs the job's token, and state goes only to
+  members and assigned joiners (``ftsystem.training.state_access``).
 
 Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into tensors allocated
 from the header (``recv_into``); :func:`fetch_log`; the replay loop is in ``ftsystem.training.hsdp``.
@@ -48,6 +49,7 @@ from urllib.parse import parse_qs, urlparse
 import torch
 
 from ftsystem.training.devices import cuda_device_of, use_device
+from ftsystem.training.state_access import Credentials, Refusal, StateAccess
 
 log = logging.getLogger(__name__)
 # What replicas exchange holds bytes (commit chains, serialized loop states); torch.save writes
@@ -343,13 +345,15 @@ def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 class StateServer:
-    """HTTP endpoints of a donor: ``GET /snapshot`` and ``GET /log?after=STEP``."""
+    """HTTP endpoints of a donor: ``GET /snapshot`` and ``GET /log?after=STEP``, for the
+    fetchers ``access`` lets in."""
 
     def __init__(self, host: str, snapshotter: Snapshotter, update_log: UpdateLog,
-                 current_step: Callable[[], int], timeout_s: float,
+                 current_step: Callable[[], int], timeout_s: float, *, access: StateAccess,
                  before_serving: Callable[[], None] = lambda: None) -> None:
         """``before_serving`` runs before a snapshot or log is served (fault injection)."""
         self.snapshotter, self.update_log = snapshotter, update_log
+        self._access = access
         self._before_serving = before_serving
         self._current_step, self._timeout_s = current_step, timeout_s
         self._last_request = 0.0
@@ -374,8 +378,17 @@ class StateServer:
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
         url = urlparse(request.path)
+        if refusal := self._access.authenticate(request.headers):
+            _refuse(request, refusal)
+            return
         if url.path == "/status":
             _reply(request, json.dumps(self.status()).encode())
+            return
+        if url.path not in ("/snapshot", "/log"):
+            request.send_error(404, "expected /snapshot, /log?after=STEP or /status")
+            return
+        if refusal := self._access.authorize(request.headers):
+            _refuse(request, refusal)
             return
         self._last_request = time.monotonic()
         self.update_log.session_active = True
@@ -386,8 +399,6 @@ class StateServer:
         elif url.path == "/log":
             after = int(parse_qs(url.query).get("after", ["-1"])[0])
             self._serve_log(request, after)
-        else:
-            request.send_error(404, "expected /snapshot, /log?after=STEP or /status")
 
     def status(self) -> dict:
         return {"step": self._current_step(), "snapshot_step": self.snapshotter.step,
@@ -459,6 +470,19 @@ class StateServer:
         self._http.shutdown()
 
 
+def _refuse(request: BaseHTTPRequestHandler, refusal: Refusal) -> None:
+    """The refusal's message is both the reason phrase and the body: a fetcher reports it.
+    It may quote what the request sent: the status line gets it as plain ASCII."""
+    body = refusal.message.encode()
+    request.send_response(refusal.status, refusal.message.encode("ascii", "replace").decode())
+    if refusal.status == 401:
+        request.send_header("WWW-Authenticate", "Bearer")
+    request.send_header("Content-Type", "text/plain; charset=utf-8")
+    request.send_header("Content-Length", str(len(body)))
+    request.end_headers()
+    request.wfile.write(body)
+
+
 def _reply(request: BaseHTTPRequestHandler, body: bytes) -> None:
     request.send_response(200)
     request.send_header("Content-Length", str(len(body)))
@@ -466,9 +490,10 @@ def _reply(request: BaseHTTPRequestHandler, body: bytes) -> None:
     request.wfile.write(body)
 
 
-def _get(url: str, timeout_s: float) -> bytes:
+def _get(url: str, timeout_s: float, credentials: Credentials) -> bytes:
+    request = urllib.request.Request(url, headers=credentials.headers())
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.read()
     except (urllib.error.URLError, OSError) as e:
         raise DonorUnavailableError(f"{url}: {e}") from e
@@ -491,21 +516,22 @@ class Snapshot:
                 "transfer_bytes_per_s": self.nbytes / self.transfer_s if self.transfer_s else None}
 
 
-def fetch_snapshot(donor_addr: str, timeout_s: float, at_step: int | None = None) -> Snapshot:
+def fetch_snapshot(donor_addr: str, timeout_s: float, at_step: int | None = None, *,
+                   credentials: Credentials) -> Snapshot:
     """Ask the donor for a snapshot (of step ``at_step``, still to come, if given) and receive
     it; ``timeout_s`` bounds the wait for the snapshot and each read of it."""
     query = "" if at_step is None else f"?step={at_step}"
-    return Snapshot(*_fetch_state(donor_addr, f"/snapshot{query}", timeout_s))
+    return Snapshot(*_fetch_state(donor_addr, f"/snapshot{query}", timeout_s, credentials))
 
 
-def _fetch_state(donor_addr: str, path: str, timeout_s: float, gone: int | None = None
-                 ) -> tuple[int, Any, int, float] | None:
+def _fetch_state(donor_addr: str, path: str, timeout_s: float, credentials: Credentials,
+                 gone: int | None = None) -> tuple[int, Any, int, float] | None:
     """GET an encoded state: (its step, the state, bytes, seconds from its first byte to its
     last); None if the donor answers with the status ``gone``."""
     host, _, port = donor_addr.rpartition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        connection.request("GET", path)
+        connection.request("GET", path, headers=credentials.headers())
         response = connection.getresponse()
         if response.status == gone:
             return None
@@ -531,15 +557,16 @@ def _read_exactly(response: http.client.HTTPResponse, buffer: memoryview) -> Non
         filled += n
 
 
-def fetch_head(donor_addr: str, timeout_s: float) -> int:
+def fetch_head(donor_addr: str, timeout_s: float, *, credentials: Credentials) -> int:
     """The donor's committed step."""
-    return json.loads(_get(f"http://{donor_addr}/status", timeout_s))["step"]
+    return json.loads(_get(f"http://{donor_addr}/status", timeout_s, credentials))["step"]
 
 
-def fetch_log(donor_addr: str, after: int, timeout_s: float
+def fetch_log(donor_addr: str, after: int, timeout_s: float, *, credentials: Credentials
               ) -> tuple[list[tuple[int, LoggedUpdate]], int, int] | None:
     """Updates after ``after``, the donor's head step and the bytes moved; None if dropped."""
-    fetched = _fetch_state(donor_addr, f"/log?after={after}", timeout_s, gone=410)
+    fetched = _fetch_state(donor_addr, f"/log?after={after}", timeout_s, credentials,
+                           gone=410)
     if fetched is None:
         return None
     head, data, nbytes, _ = fetched

@@ -60,6 +60,7 @@ from ftsystem.training.replica_group import ReplicaGroup, Verdict
 from ftsystem.training.replicated import (AdvancedBy, Batches, RegistrationMismatch, ReplicatedObjects,
                                  Stateful)
 from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
+from ftsystem.training.state_access import replica_access
 from ftsystem.training.shards import (flat_grads, grads_as_views, load_local_state, local, local_numel,
                              local_state, release_grads)
 from ftsystem.control.timeouts import StragglerBound, Timeouts
@@ -194,6 +195,8 @@ class FTReplica:
         self._finished = False  # finish() returned: the work is done
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
+        # Closed by default: no token (and no --insecure) stops the rank before it serves.
+        access, self._credentials = replica_access(self.ctx, self.control)
         # Injected faults hit one rank (the last): its death takes the whole replica down.
         last_rank = self.ctx.rank == self.ctx.world_size - 1
         self.faults = FaultSchedule.from_env() if last_rank else FaultSchedule([])
@@ -220,7 +223,8 @@ class FTReplica:
         self.snapshotter = Snapshotter(self._state)
         self.state_server = StateServer(
             self.ctx.host, self.snapshotter, self.update_log, lambda: self.step,
-            self.ctx.timeout_s, before_serving=lambda: self.faults.check(self.step, "donate"))
+            self.ctx.timeout_s, access=access,
+            before_serving=lambda: self.faults.check(self.step, "donate"))
         self.catchup_stats: dict = {}
         self._donor_addr: str | None = None
         self.checkpointer = _checkpointer_from_env()
@@ -839,7 +843,8 @@ class FTReplica:
             try:
                 head = self._replay_from(addr)
                 if head is None:  # no snapshot yet, or the log moved past us
-                    snapshot = fetch_snapshot(addr, self.ctx.timeout_s)
+                    snapshot = fetch_snapshot(addr, self.ctx.timeout_s,
+                                              credentials=self._credentials)
                     self._load(snapshot.state)
                     self._fresh = False
                     stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
@@ -877,14 +882,15 @@ class FTReplica:
         try:
             if donor is not None:
                 stats["donors"].append(donor)
-                head = fetch_head(addr, self.ctx.timeout_s)
+                head = fetch_head(addr, self.ctx.timeout_s, credentials=self._credentials)
         except DonorUnavailableError as e:
             log.warning("replica %s rank %d: donor %s failed (%s)", self.ctx.replica_id,
                         self.ctx.rank, donor, e)
         target = self.replica.max(head) + SNAPSHOT_LEAD  # every rank, whatever happened
         try:
             if head >= 0:
-                snapshot = fetch_snapshot(addr, self.ctx.timeout_s, at_step=target)
+                snapshot = fetch_snapshot(addr, self.ctx.timeout_s, at_step=target,
+                                          credentials=self._credentials)
                 step, state, stats["bytes"] = snapshot.step, snapshot.state, snapshot.nbytes
                 stats.update(snapshot.stats())
         except DonorUnavailableError as e:
@@ -935,7 +941,7 @@ class FTReplica:
         they do not reach back to our step (or we have no state from this job yet)."""
         if self._fresh:
             return None
-        fetched = fetch_log(addr, self.step, self.ctx.timeout_s)
+        fetched = fetch_log(addr, self.step, self.ctx.timeout_s, credentials=self._credentials)
         if fetched is None:
             return None
         updates, head, nbytes = fetched

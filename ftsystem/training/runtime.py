@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Coroutine, TypeVar
 
@@ -42,6 +42,12 @@ ENV_HEARTBEAT = "FTSYSTEM_HEARTBEAT"
 ENV_HOST = "FTSYSTEM_HOST"
 ENV_TIMEOUT = "FTSYSTEM_TIMEOUT_S"
 ENV_KILL_AT = "FTSYSTEM_KILL_AT"
+ENV_JOB_TOKEN = "FTSYSTEM_JOB_TOKEN"
+"""The job's token, set by the agent from its ``FTSYSTEM_API_TOKEN`` (or ``..._FILE``): the
+rank's state server requires it of every fetch, and the rank's own fetches send it."""
+ENV_INSECURE = "FTSYSTEM_INSECURE"
+"""``1`` when the agent was started with ``--insecure`` and no token: the rank's state server
+then serves without one. Without either, the rank refuses to start its state server."""
 DEFAULT_TIMEOUT_S = 30.0
 HEARTBEAT_S = 0.5
 PROGRESS_INTERVAL_S = 1.0
@@ -68,6 +74,10 @@ class ReplicaContext:
     """The replica's ranks on all its nodes (``WORLD_SIZE``)."""
     timeout_s: float
     """The one timeout users set: collectives and rendezvous give up after it."""
+    job_token: str = field(default="", repr=False)
+    """The job's token (``FTSYSTEM_JOB_TOKEN``); empty: none was handed down."""
+    insecure: bool = False
+    """The agent was started with ``--insecure`` (``FTSYSTEM_INSECURE=1``)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "ReplicaContext":
@@ -84,7 +94,9 @@ class ReplicaContext:
                    host=env.get(ENV_HOST, "127.0.0.1"),
                    rank=int(env.get("RANK", "0")),
                    world_size=int(env.get("WORLD_SIZE", "1")),
-                   timeout_s=float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)))
+                   timeout_s=float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)),
+                   job_token=env.get(ENV_JOB_TOKEN, ""),
+                   insecure=env.get(ENV_INSECURE, "") == "1")
 
 
 class BackgroundLoop:
