@@ -21,7 +21,7 @@ from controller.status_page import status_router
 from ftsystem.chaos import rate as chaos_rate
 from ftsystem.control import jobs, keys
 from ftsystem.measure import metrics
-from ftsystem.chaos.spec import ChaosSpecError, Order, spec_from_mapping, submit
+from ftsystem.chaos.spec import ChaosSpecError, read_orders, spec_from_mapping, submit
 from ftsystem.control.membership import ReplicaState
 from ftsystem.control.store import HeldKey, Store, StoreError
 
@@ -142,8 +142,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
         """Every chaos order of the job with its state and outcome, oldest first."""
         _check_job(cfg.job, job)
         items, _ = await store.get_prefix(keys.chaos_orders(job))
-        orders = sorted((Order.from_json(v) for v in items.values()), key=lambda o: o.at)
-        return {"orders": [dataclasses.asdict(o) for o in orders]}
+        return {"orders": [dataclasses.asdict(o) for o in read_orders(items)]}
 
     @app.get("/v1/jobs/{job}/events")
     async def list_events(job: str) -> dict:

@@ -23,7 +23,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
 from controller.leader import LeaderConfig, LiveTerm
-from ftsystem.chaos.spec import Order
+from ftsystem.chaos.spec import Order, read_orders
 from ftsystem.control import keys
 from ftsystem.control.store import Store
 from ftsystem.measure.ettr import LiveEttr
@@ -199,8 +199,7 @@ def catching_up(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
 def chaos_orders(job: str, items: dict[str, bytes]) -> list[Order]:
     """Pure: the job's chaos orders, by the time they are due."""
     prefix = keys.chaos_orders(job)
-    return sorted((Order.from_json(v) for k, v in items.items() if k.startswith(prefix)),
-                  key=lambda o: o.at)
+    return read_orders({k: v for k, v in items.items() if k.startswith(prefix)})
 
 
 def recent_orders(orders: list[Order], now: float) -> list[Order]:

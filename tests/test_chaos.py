@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import controller_process, wait_for
 from ftsystem.control import keys
-from ftsystem.chaos.spec import ChaosSpecError, expand, parse_spec, slow_pattern
+from ftsystem.chaos.spec import ChaosSpecError, expand, parse_spec, read_orders, slow_pattern
 from ftsystem.cli import app
 from ftsystem.control.store import Store
 
@@ -189,3 +189,24 @@ def test_chaos_api_needs_the_token_and_validates(secured_controller, etcd, job_i
     assert [(o["action"], o["replica"], o["state"]) for o in listed] == [("hang", "r0", "pending")]
     codes = [httpx.post(url, json=spec, headers=good).status_code for _ in range(12)]
     assert 429 in codes  # the rate limit: 10 orders a minute
+
+
+def test_a_malformed_order_written_to_etcd_is_skipped_not_fatal(secured_controller, etcd, job_id):
+    # Orders are JSON in etcd, where anyone with etcd credentials can write anything: the API,
+    # the status page and the agents' executors must keep working for the other orders.
+    async def register_agent():
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.agent(job_id, "r0", 0), {"host": "127.0.0.1"})
+            await store.put(keys.chaos_orders(job_id) + "broken", b'{"id": "broken", "act')
+            await store.put_json(keys.chaos_orders(job_id) + "alien", {"what": "ever"})
+    asyncio.run(register_agent())
+    url = f"{secured_controller}/v1/jobs/{job_id}/chaos"
+    spec = {"action": "hang", "duration": "1s", "schedule": "@every 1h", "horizon": "1h"}
+    assert httpx.post(url, json=spec, headers={"Authorization": "Bearer s3cret"}).status_code == 201
+    listed = httpx.get(url)
+    assert listed.status_code == 200, listed.text
+    assert [o["action"] for o in listed.json()["orders"]] == ["hang"]
+    page = httpx.get(f"{secured_controller}/")
+    assert page.status_code == 200 and "hang" in page.text
+    orders = read_orders({"a": b"not json", "b": b"[1, 2]", "c": b'{"id": "x"}'})
+    assert orders == []

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 from ftsystem.control import keys
 
 from ftsystem.measure import metrics
-from ftsystem.chaos.spec import Order
+from ftsystem.chaos.spec import Order, read_orders
 from ftsystem.control.store import Store
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,12 @@ class OrderExecutor:
         """Follow ``chaos/`` and schedule every pending order of ours (until cancelled)."""
         prefix = keys.chaos_orders(self.job)
         items, revision = await self.store.get_prefix(prefix)
-        for value in items.values():
-            self._schedule(Order.from_json(value))
+        for order in read_orders(items):
+            self._schedule(order)
         async for event in self.store.watch_prefix(prefix, start_revision=revision + 1):
             if event.kind == "PUT":
-                self._schedule(Order.from_json(event.value))
+                for order in read_orders({event.key: event.value}):
+                    self._schedule(order)
 
     def _schedule(self, order: Order) -> None:
         if order.state != "pending" or order.id in self._seen or not self._mine(order):

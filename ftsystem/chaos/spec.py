@@ -23,6 +23,7 @@ execute them (``agent.chaos``) and record each one's outcome.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import re
@@ -30,6 +31,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 REPLICA_ACTIONS = ("kill", "hang", "slow", "partition")
 """Executed by the agent of the targeted replica."""
@@ -218,6 +221,19 @@ class Order:
     @classmethod
     def from_json(cls, data: bytes | str) -> "Order":
         return cls(**json.loads(data))
+
+
+def read_orders(items: Mapping[str, bytes]) -> list[Order]:
+    """The well-formed orders among etcd ``items``, by the time they are due. Anything can be
+    written to etcd directly: a malformed order is logged and skipped, so that it neither
+    stops an agent's executor nor breaks the API and the status page for every other order."""
+    orders = []
+    for key, value in items.items():
+        try:
+            orders.append(Order.from_json(value))
+        except (ValueError, TypeError) as e:
+            log.warning("skipping the malformed chaos order %s: %s", key, e)
+    return sorted(orders, key=lambda o: o.at)
 
 
 def expand(spec: ChaosSpec, replicas: Sequence[str], *, now: float, name: str,
