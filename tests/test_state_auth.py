@@ -33,7 +33,7 @@ from ftsystem.training.fingerprint import GENESIS
 from ftsystem.training.runtime import ControlPlane, ReplicaContext
 from ftsystem.training.state_access import (GRANT_TTL_S, HEADER_REPLICA, Credentials,
                                             StateAccess, StateAccessError, replica_access)
-from test_deploy import (FAKE_SRUN, compose, k8s, run_sbatch)
+from test_deploy import agent_services, compose, fake_slurm, interpolate, k8s, run_sbatch
 
 TOKEN = "job-secret-0123456789"
 
@@ -224,7 +224,6 @@ def test_a_real_agent_gives_its_ranks_the_token_or_the_insecure_mark(etcd, job_i
 # --- deployments hand the token down ------------------------------------------------------
 
 def test_compose_agents_require_the_job_token():
-    from test_deploy import agent_services, interpolate
     controller_env = compose()["services"]["controller"]["environment"]
     for name, service in agent_services().items():
         environment = service["environment"]
@@ -256,12 +255,11 @@ with open(os.path.join(os.environ["AGENT_ARGV"], os.environ["SLURM_NODEID"] + ".
 
 
 def _slurm(tmp_path: Path, **env: str) -> dict[str, str]:
-    from test_deploy import fake_slurm
     tmp_path.mkdir()
     env = fake_slurm(tmp_path, ETCD_ENDPOINTS="http://etcd.example:2379", START_CONTROLLER="0",
                      **env)
+    # the fake srun runs FAKE_AGENT on every node: this one records the token file it got
     Path(env["FAKE_AGENT"]).write_text(FAKE_AGENT_ENV.format(python=sys.executable))
-    assert FAKE_SRUN  # the fake srun runs FAKE_AGENT on every node
     return env
 
 
