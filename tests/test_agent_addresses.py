@@ -18,7 +18,7 @@ from ftsystem.control.etcd_server import _port_free, free_port
 from ftsystem.measure.metrics import metrics_port
 from ftsystem.control.store import Store
 
-RANK = ("import os, time\nfrom ftsystem import metrics\n"
+RANK = ("import os, time\nfrom ftsystem.measure import metrics\n"
         "open(os.environ['OUT'], 'w').write(metrics.serve(os.environ['FTSYSTEM_HOST']))\n"
         "time.sleep(60)\n")
 """The replica: serves its metrics as a rank does, and says where."""
