@@ -83,18 +83,22 @@ def test_help_imports_neither_simulators_nor_plots():
     assert "Usage" in out and "LOADED []" in out, out
 
 
-def test_sim_without_its_extra_says_what_to_install():
+def _without(modules: tuple[str, ...], program: str) -> subprocess.CompletedProcess:
+    """Run ``program`` in a fresh interpreter where ``modules`` cannot be imported, as after
+    ``pip install ftsystem`` without the ``[sim]`` extra."""
     probe = ("import sys\n"
              "class Block:\n"
              "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name.split('.')[0] == 'simpy':\n"
+             f"        if name.split('.')[0] in {modules!r}:\n"
              "            raise ImportError(name + ' is not installed')\n"
-             "sys.meta_path.insert(0, Block())\n"
-             "from ftsystem.cli import main\n"
-             "sys.argv = ['ftsystem', 'sim', 'halos']\n"
-             "main()\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+             "sys.meta_path.insert(0, Block())\n" + program)
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120)
+
+
+def test_sim_without_its_extra_says_what_to_install():
+    done = _without(("simpy",), "from ftsystem.cli import main\n"
+                                "sys.argv = ['ftsystem', 'sim', 'halos']\nmain()\n")
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "ftsystem sim needs simpy" in done.stderr and "ftsystem[sim]" in done.stderr
     assert "Traceback" not in done.stderr
@@ -102,16 +106,9 @@ def test_sim_without_its_extra_says_what_to_install():
 
 def test_the_core_imports_without_the_sim_extra():
     """What runs a job (CLI, launcher, controller, agent, training) imports with matplotlib and
-    simpy unavailable, as after ``pip install ftsystem`` without ``[sim]``."""
-    probe = ("import sys\n"
-             "class Block:\n"
-             "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name.split('.')[0] in ('matplotlib', 'simpy'):\n"
-             "            raise ImportError(name + ' is not installed')\n"
-             "sys.meta_path.insert(0, Block())\n"
-             "import ftsystem.cli, ftsystem.launch.launcher, ftsystem.example.train, ftsystem.training.hsdp\n"
-             "import agent.supervisor, controller.app\n"
-             "print('CORE OK')")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=120)
+    simpy unavailable."""
+    done = _without(("matplotlib", "simpy"),
+                    "import ftsystem.cli, ftsystem.launch.launcher, ftsystem.example.train\n"
+                    "import ftsystem.training.hsdp, agent.supervisor, controller.app\n"
+                    "print('CORE OK')")
     assert "CORE OK" in done.stdout, done.stderr
