@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
 from agent.chaos import replica_executor
+from agent.job_settings import SpecConflict, rank_settings_env, resolve_timeout
 from agent.pulse import DONE, ENDED, Pulse
 from agent.rendezvous import (Generation, Layout, Rendezvous, RendezvousError, rank_env,
                               replica_env)
@@ -45,7 +46,6 @@ from ftsystem.control.etcd_server import free_port
 from ftsystem.chaos.faults import FaultPoint, format_fault_points
 from ftsystem.control.membership import Registration, ReplicaState
 from ftsystem.launch.procs import die_with_parent, signal_group
-from ftsystem.training.runtime import DEFAULT_TIMEOUT_S
 from ftsystem.control.store import LeaseLostError, Store, StoreUnavailableError
 from ftsystem.control.tokens import ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError, load_token
 from ftsystem.control.timeouts import Timeouts
@@ -64,6 +64,9 @@ EXIT_BAD_INPUT = 2
 EXIT_MISSED_THE_END = 4
 """The agent's exit status when the job finished while its replica was down and every replica
 holding the final state has left: training again from scratch would end in another state."""
+EXIT_JOB_DELETED = 5
+"""The agent's exit status when the job's spec was deleted while it ran (``ftsystem job delete
+--force``): there is no job left to restart its replica into."""
 TEARDOWN_S = 60.0
 """A rank whose interpreter is exiting (``runtime.EXITING_MARK``) gets this long to exit before
 it counts as hung: destroying process groups takes seconds, a wedged NCCL destructor forever."""
@@ -91,10 +94,12 @@ class AgentConfig:
     """Ranks on this node (``--nproc-per-node``)."""
     node_id: str = field(default_factory=socket.gethostname)
     """The machine: an agent restarted on the same one takes its node rank back at once."""
-    lease_ttl_s: int = Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
-    """TTL of the replica's lease: the slow path that covers what pulses and process exits do
-    not (the CLI derives it from ``--timeout``, see ``ftsystem.control.timeouts``). The node's own lease
-    is a longer node lease (``ftsystem.control.timeouts.NODE_LEASE_TTL_S``)."""
+    timeout_s: float | None = None
+    """The one timeout (``--timeout``); None: the job spec's. The replica lease's TTL (the slow
+    path that covers what pulses and process exits do not) and the watchdog derive from it
+    (``ftsystem.control.timeouts``); the node's own lease is a longer node lease
+    (``ftsystem.control.timeouts.NODE_LEASE_TTL_S``). Given and unlike the spec's: refused
+    (``agent.job_settings``)."""
     peer_timeout_s: float = 1.0
     """A peer node silent this long is dead or cut off: the replica restarts."""
     max_restarts: int = 20
@@ -103,9 +108,6 @@ class AgentConfig:
     """First restart delay; doubles per consecutive fast failure, up to ``max_backoff_s``."""
     max_backoff_s: float = 10.0
     """Ceiling of the restart delay."""
-    watchdog_s: float = Timeouts(DEFAULT_TIMEOUT_S).watchdog_s
-    """A rank whose heartbeat is older than this is considered hung and the replica restarted
-    (derived from ``--timeout`` like the lease TTL)."""
     grace_s: float = 10.0
     """How long children get to exit after a forwarded SIGTERM/SIGINT."""
     kill_at: list[FaultPoint] = field(default_factory=list)
@@ -123,6 +125,15 @@ class AgentConfig:
     @property
     def layout(self) -> Layout:
         return Layout(self.nodes, self.nproc_per_node)
+
+
+@dataclass(frozen=True, slots=True)
+class _SpecGone:
+    message: str
+    exit_code: int
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass(slots=True)
@@ -149,8 +160,10 @@ class Agent:
         self.uid = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.store = Store(cfg.etcd)
         self.rendezvous = Rendezvous(self.store, cfg.job, cfg.replica_id, cfg.layout)
+        self.timeouts = Timeouts(resolve_timeout(cfg.timeout_s, None))
+        """From the job's spec, read again before each generation (``_follow_spec``)."""
         self.pulse = Pulse(self.uid, cfg.host, cfg.peer_timeout_s,
-                           startup_s=max(cfg.peer_timeout_s, cfg.lease_ttl_s))
+                           startup_s=max(cfg.peer_timeout_s, self.timeouts.lease_ttl_s))
         self.stop_requested = asyncio.Event()
         self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
@@ -168,7 +181,7 @@ class Agent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
         try:
-            self.spec = await self.rendezvous.check(self.cfg.node_rank)
+            self._follow_spec(await self.rendezvous.check(self.cfg.node_rank))
             pulse_addr = await self.pulse.start()
             self.slot = NodeSlot(self.store, self.rendezvous, {
                 "uid": self.uid, "node_id": self.cfg.node_id, "host": self.cfg.host,
@@ -177,7 +190,7 @@ class Agent:
                 await self.slot.claim_free()
             else:
                 await self.slot.claim(self.cfg.node_rank)
-        except RendezvousError as e:
+        except (RendezvousError, SpecConflict) as e:
             log.error("%s", e)
             await self.store.close()
             return EXIT_BAD_INPUT
@@ -221,6 +234,10 @@ class Agent:
             if missed:
                 log.error("%s", missed)
                 return EXIT_MISSED_THE_END
+            gone = await self._until_etcd_back(self._reread_spec)
+            if gone is not None:
+                log.error("%s", gone)
+                return gone.exit_code
             generation = await self._unless_stopped(
                 self._until_etcd_back(lambda: self._next_generation(last)))
             if generation is None:
@@ -251,6 +268,27 @@ class Agent:
         log.error("replica %s: giving up after %d restarts", self.cfg.replica_id,
                   self.cfg.max_restarts)
         return 1
+
+    def _follow_spec(self, spec: dict | None) -> None:
+        """Take the job's settings from its spec (raises SpecConflict against the flags)."""
+        self.timeouts = Timeouts(resolve_timeout(self.cfg.timeout_s, spec))
+        self.pulse.startup_s = max(self.cfg.peer_timeout_s, self.timeouts.lease_ttl_s)
+        self.spec = spec
+
+    async def _reread_spec(self) -> "_SpecGone | None":
+        """Before each generation: the spec as it is now; why not to go on, if it is gone or
+        now contradicts this agent's flags."""
+        spec = await self.store.get_json(keys.spec(self.cfg.job))
+        if spec is None and self.spec is not None:
+            return _SpecGone(f"job {self.cfg.job}'s spec was deleted while replica "
+                             f"{self.cfg.replica_id} ran (ftsystem job delete): not restarting "
+                             "it; create the job again, then start its agents",
+                             EXIT_JOB_DELETED)
+        try:
+            self._follow_spec(spec)
+        except SpecConflict as e:
+            return _SpecGone(f"the job's spec changed: {e}", EXIT_BAD_INPUT)
+        return None
 
     async def _missed_the_end(self) -> str | None:
         job = self.cfg.job
@@ -299,7 +337,7 @@ class Agent:
                 holders, _ = await self.rendezvous.holders()
                 self.pulse.follow(generation.number, self.node_rank, holders)
                 return generation
-            lease = await self.store.grant(self.cfg.lease_ttl_s)
+            lease = await self.store.grant(self.timeouts.lease_ttl_s)
             previous, _ = await self.rendezvous.current()
             generation = await self.rendezvous.open(lambda number: Generation(
                 number=number, lease=lease, master_addr=self.cfg.host, master_port=free_port(),
@@ -382,12 +420,12 @@ class Agent:
         lease = generation.lease
         while True:
             try:
-                await self.store.keep_alive(lease, self.cfg.lease_ttl_s, REPLICA_KEEPALIVE_S)
+                await self.store.keep_alive(lease, self.timeouts.lease_ttl_s, REPLICA_KEEPALIVE_S)
             except LeaseLostError:
                 current, _ = await self.rendezvous.current()
                 if current is None or current.number != generation.number or current.ended:
                     return
-                lease = await self.store.grant(self.cfg.lease_ttl_s)
+                lease = await self.store.grant(self.timeouts.lease_ttl_s)
                 await self.rendezvous.replace_lease(generation.number, lease)
                 self._write_lease_file(lease)
                 log.warning("replica lease lapsed during an etcd outage; replaced by %x", lease)
@@ -412,7 +450,8 @@ class Agent:
         heartbeats = []
         self.children = []
         inherited = {k: v for k, v in os.environ.items() if k not in JOB_TOKEN_VARIABLES}
-        base = inherited | self.token_env | replica_env(self.spec, self.cfg.replica_id) | {
+        base = inherited | self.token_env | replica_env(self.spec, self.cfg.replica_id) | \
+            rank_settings_env(self.spec, self.timeouts.timeout_s) | {
             runtime.ENV_ETCD: self.cfg.etcd, runtime.ENV_JOB: self.cfg.job,
             runtime.ENV_REPLICA: self.cfg.replica_id,
             runtime.ENV_GENERATION: str(generation.number),
@@ -485,14 +524,14 @@ class Agent:
     async def _watchdog(self, heartbeats: list[Path]) -> str:
         """Returns (ends the generation) when a started rank stops beating."""
         while True:
-            await asyncio.sleep(min(1.0, self.cfg.watchdog_s / 4))
+            await asyncio.sleep(min(1.0, self.timeouts.watchdog_s / 4))
             now = time.time()
             for rank, path in enumerate(heartbeats):
                 try:
                     age = now - path.stat().st_mtime
                 except FileNotFoundError:
                     continue  # not started beating yet (importing, loading)
-                hang = hang_reason(rank, age, _mark(path), self.cfg.watchdog_s)
+                hang = hang_reason(rank, age, _mark(path), self.timeouts.watchdog_s)
                 if hang:
                     await self._dump_stacks(rank)
                     return hang

@@ -17,9 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ftsystem.control import keys
 from ftsystem.control.jobs import JobSpec, JobSpecError, parse_spec
@@ -29,9 +28,9 @@ from ftsystem.measure.ettr import LiveEttr
 from ftsystem.control.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading,
                                  Registration, ReplicaState, assign_donors, decide,
                                  held_members, late_members, stale_members)
-from ftsystem.training.runtime import DEFAULT_TIMEOUT_S, ENV_TIMEOUT
+from ftsystem.training.runtime import DEFAULT_TIMEOUT_S
 from ftsystem.control.store import Store, StoreError
-from ftsystem.control.timeouts import TimeoutConfigError, Timeouts
+from ftsystem.control.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +41,6 @@ CONFIRM_POLL_S = 0.25
 """Members' leases are read this often during a confirmation window (``CONFIRM_S``)."""
 _RECHECK = object()
 """Queued after each reading of the members' leases: decide again."""
-
-
-def _replica_lease_ttl_s() -> int:
-    """The replicas' lease TTL, derived from FTSYSTEM_TIMEOUT_S as the agents derive it."""
-    try:
-        return Timeouts(float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))).lease_ttl_s
-    except (TimeoutConfigError, ValueError):
-        return Timeouts(DEFAULT_TIMEOUT_S).lease_ttl_s
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,8 +57,17 @@ class LeaderConfig:
     """The first epoch waits this long, from the spec's creation, for its number of replicas."""
     address: str = ""
     """host:port this instance serves at, published for discovery (empty: not published)."""
-    replica_lease_ttl_s: int = field(default_factory=_replica_lease_ttl_s)
-    """The replicas' lease TTL: members that vanish in a mass lapse are held for it + 2 s."""
+    replica_lease_ttl_s: int | None = None
+    """The replicas' lease TTL: members that vanish in a mass lapse are held for it + 2 s.
+    None: derived from the job spec's timeout, as the agents derive theirs."""
+
+
+def lapse_rule(cfg: LeaderConfig, spec: JobSpec | None) -> LapseRule:
+    """The rule for lapsed members, from the replicas' lease TTL: the configured one, else the
+    one the agents derive from the spec's timeout (the default before a spec is read)."""
+    ttl = cfg.replica_lease_ttl_s or Timeouts(spec.timeout_s if spec else DEFAULT_TIMEOUT_S
+                                              ).lease_ttl_s
+    return LapseRule.for_lease_ttl(ttl)
 
 
 @dataclass(slots=True)
@@ -190,7 +190,7 @@ class MembershipLoop:
         self.assignments: dict[str, str | None] = {}
         self.epoch: Epoch | None = None
         self.started = time.monotonic()
-        self.rule = LapseRule.for_lease_ttl(cfg.replica_lease_ttl_s)
+        self.rule = lapse_rule(cfg, None)
         self.vanished: dict[str, float] = {}
         """Members whose registration is gone, and since when (see ``held_members``)."""
         self.suspected_at: list[float] = []
@@ -207,7 +207,7 @@ class MembershipLoop:
 
     async def run(self) -> None:
         spec, spec_revision = await wait_for_spec(self.store, self.cfg.job)
-        self.policy = spec.policy
+        self.policy, self.rule = spec.policy, lapse_rule(self.cfg, spec)
         self.started = time.monotonic()  # the start timeout runs from the spec's arrival
         raw = await self.store.get(keys.epoch(self.cfg.job))
         self.epoch = Epoch.from_json(raw) if raw else None
@@ -279,6 +279,7 @@ class MembershipLoop:
             raise JobDeletedError(f"job {self.cfg.job} was deleted: this term ends")
         if (spec := spec_or_none(self.cfg.job, event.value)) is not None:
             self.policy = spec.policy  # the next decision follows the new spec
+            self.rule = lapse_rule(self.cfg, spec)
             self.ettr.num_replicas = spec.replicas
 
     async def _decide(self, *, join_tick: bool, seen: float) -> None:

@@ -166,8 +166,9 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
                                              "which a peer node counts as dead or cut off"),
           kill_at: List[str] = typer.Option([], help="kill the replica at STEP[:PHASE]"),
           max_restarts: int = typer.Option(20, min=0),
-          timeout: float = typer.Option(30.0, help="the one timeout (FTSYSTEM_TIMEOUT_S): "
-                                        "watchdog and lease TTL are a third of it"),
+          timeout: Optional[float] = typer.Option(
+              None, help="the one timeout: watchdog and lease TTL are a third of it; default: "
+                         "the job spec's (ftsystem job create --timeout), which this must match"),
           advertise_address: Optional[str] = typer.Option(
               None, "--advertise-address", "--host", envvar="FTSYSTEM_ADVERTISE_ADDRESS",
               help=ADVERTISE_HELP + "; the replica's ranks listen on it too"),
@@ -194,7 +195,6 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     from agent.main import run_agent
     from agent.supervisor import AgentConfig, parse_gpus
     from ftsystem.chaos.faults import parse_fault_point
-    from ftsystem.training.runtime import ENV_TIMEOUT
     _check_id("job", job)
     _check_id("replica", replica_id)
     try:
@@ -208,8 +208,8 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
     from ftsystem.control.store import StoreError
     from ftsystem.measure import metrics
     from ftsystem.control.addresses import default_advertise_address
-    timeouts = _timeouts(timeout)
-    os.environ[ENV_TIMEOUT] = str(timeout)
+    if timeout is not None:
+        _timeouts(timeout)
     host = advertise_address or default_advertise_address()
     # Read by metrics.serve here and in the ranks, which inherit this environment.
     for name, value in ((metrics.ENV_BIND, bind), (metrics.ENV_METRICS_PORT, metrics_port)):
@@ -225,7 +225,7 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
                       node_rank=None if spare else (node_rank or 0), nodes=nodes,
                       nproc_per_node=nproc_per_replica or nproc_per_node,
                       max_restarts=max_restarts, peer_timeout_s=peer_timeout,
-                      watchdog_s=timeouts.watchdog_s, lease_ttl_s=timeouts.lease_ttl_s,
+                      timeout_s=timeout,
                       kill_at=points, host=host, gpus=gpu_list, insecure=insecure,
                       **({"node_id": node_id} if node_id else {}))
     try:

@@ -5,7 +5,7 @@
 #   node rank = SLURM_NODEID % (NODES_PER_REPLICA + SPARES_PER_REPLICA), past NODES_PER_REPLICA: a spare
 # Arguments: the replica's program (or --address: print the advertised address and exit); the word {replica} in it becomes the replica's index (its
 # data shard). Environment: ETCD_ENDPOINTS, JOB_ID, NODES_PER_REPLICA, NPROC_PER_NODE (required),
-# SPARES_PER_REPLICA (0), TIMEOUT (30), FTSYSTEM (the CLI, default: ftsystem on PATH),
+# SPARES_PER_REPLICA (0), FTSYSTEM (the CLI, default: ftsystem on PATH),
 # ADVERTISE_ADDRESS or HOST_INTERFACE (which address other nodes reach this one at),
 # FTSYSTEM_API_TOKEN_FILE (the job's token, which the agent requires; ftsystem.sbatch sets it).
 set -euo pipefail
@@ -60,7 +60,7 @@ main() {
     exec "${FTSYSTEM:-ftsystem}" agent --etcd "$ETCD_ENDPOINTS" --job "$JOB_ID" \
         --replica-id "r$replica" "${place[@]}" --nodes "$NODES_PER_REPLICA" \
         --nproc-per-node "$NPROC_PER_NODE" --host "$host" --node-id "$(hostname)" \
-        --timeout "${TIMEOUT:-30}" -- "${@//\{replica\}/$replica}"
+        -- "${@//\{replica\}/$replica}"  # the timeout: the job spec's (ftsystem.sbatch's TIMEOUT)
 }
 
 main "$@"

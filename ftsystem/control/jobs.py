@@ -63,7 +63,8 @@ class JobSpec:
     nproc_per_node: int = 1
     """Ranks per node."""
     timeout_s: float = 30.0
-    """The one timeout (``docs/chaos.md``); the agents take theirs from ``--timeout``."""
+    """The one timeout (``docs/chaos.md``): every agent takes it, and hands it to its ranks
+    (``agent.job_settings``); the leader derives the replicas' lease rule from it."""
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     num_steps: int | None = None
     """Informational: the replicas' program decides when it is done."""

@@ -86,7 +86,7 @@ def create(job: str = typer.Argument(..., help="job id"),
            nodes_per_replica: Optional[int] = typer.Option(None, help="nodes per replica (1)"),
            nproc_per_node: Optional[int] = typer.Option(None, help="ranks per node (1)"),
            timeout: Optional[float] = typer.Option(None, "--timeout", help="the one timeout in "
-                                                   "seconds (30); give the agents the same"),
+                                                   "seconds (30); every agent takes it"),
            checkpoint_every: Optional[int] = typer.Option(None, help="disk checkpoints every N "
                                                           "steps (0: none)"),
            checkpoint_dir: Optional[str] = typer.Option(None, help="where every node writes "

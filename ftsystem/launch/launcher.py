@@ -32,7 +32,6 @@ from ftsystem.control.etcd_server import EtcdCluster, free_port
 from ftsystem.chaos.faults import FaultPoint, parse_fault_point
 from ftsystem.launch.netns import Host, HostNetwork
 from ftsystem.launch.procs import die_with_parent
-from ftsystem.training.runtime import ENV_TIMEOUT
 from ftsystem.chaos.services import ServiceChaos
 from ftsystem.control.store import Store, StoreError
 from ftsystem.control.tokens import ENV_TOKEN as ENV_API_TOKEN
@@ -220,11 +219,11 @@ def run_job(cfg: RunConfig) -> dict:
                                                         "--instance-id", f"c{i}",
                                                         "--bind", "127.0.0.1",
                                                         "--advertise-address", "127.0.0.1"),
-                    # The leader derives the replicas' lease TTL from the same timeout.
-                    env=os.environ | {ENV_TIMEOUT: str(cfg.timeout_s), ENV_API_TOKEN: token}))
+                    env=os.environ | {ENV_API_TOKEN: token}))
             # The agents hand the job's token to their ranks: their state servers require it.
-            agents = NodeAgents(cfg, etcd, node_hosts, procs,
-                                os.environ | _checkpoint_env(cfg) | {ENV_API_TOKEN: token})
+            # The timeout and the checkpoint policy reach them through the job's spec.
+            _clear_checkpoints(cfg)
+            agents = NodeAgents(cfg, etcd, node_hosts, procs, os.environ | {ENV_API_TOKEN: token})
             for index, node_rank in agents.nodes():
                 if (host := agents.host(index, node_rank)) is not None:
                     services.add_node(replica_id(index), node_rank, host, functools.partial(
@@ -256,13 +255,10 @@ def _api_token(out_dir: Path) -> str:
     return token
 
 
-def _checkpoint_env(cfg: RunConfig) -> dict[str, str]:
-    if not cfg.checkpoint_every:
-        return {}
-    directory = _checkpoint_dir(cfg)
-    shutil.rmtree(directory, ignore_errors=True)  # a run starts clean, like its etcd keys
-    return {"FTSYSTEM_CHECKPOINT_DIR": str(directory.resolve()),
-            "FTSYSTEM_CHECKPOINT_EVERY": str(cfg.checkpoint_every)}
+def _clear_checkpoints(cfg: RunConfig) -> None:
+    """A run starts clean, like its etcd keys."""
+    if cfg.checkpoint_every:
+        shutil.rmtree(_checkpoint_dir(cfg), ignore_errors=True)
 
 
 def _checkpoint_dir(cfg: RunConfig) -> Path:
@@ -313,7 +309,7 @@ def agent_command(cfg: RunConfig, etcd: str, index: int, *, node_rank: int = 0,
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
                 "--node-rank", str(node_rank), "--nodes", str(cfg.nodes_per_replica),
                 "--nproc-per-node", str(cfg.nproc_per_node), *node,
-                "--timeout", str(cfg.timeout_s), "--host", host, *kills, "--", *train)
+                "--host", host, *kills, "--", *train)  # the timeout: the job spec's
 
 
 async def _submit_chaos(etcd: str, cfg: RunConfig) -> None:

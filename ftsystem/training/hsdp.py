@@ -59,7 +59,8 @@ from ftsystem.training.overlap import (DEFAULT_BUCKET_CAP_BYTES, GradientProduce
 from ftsystem.training.replica_group import ReplicaGroup, Verdict
 from ftsystem.training.replicated import (AdvancedBy, Batches, RegistrationMismatch, ReplicatedObjects,
                                  Stateful)
-from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
+from ftsystem.training.runtime import (ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_EVERY, ENV_CHECKPOINT_KEEP,
+                                       ControlPlane, Heartbeat, ReplicaContext)
 from ftsystem.training.state_access import replica_access
 from ftsystem.training.shards import (flat_grads, grads_as_views, load_local_state, local, local_numel,
                              local_state, release_grads)
@@ -77,10 +78,6 @@ ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
 ENV_CATCHUP_MODE = "FTSYSTEM_CATCHUP"
 """``nonblocking`` (default): catch up from a donor while the others train; ``blocking``:
 join at once and receive the whole state in the epoch's sync (the members wait for it)."""
-ENV_CHECKPOINT_DIR = "FTSYSTEM_CHECKPOINT_DIR"
-"""Disk checkpoints for cold starts go here (a filesystem every replica shares); unset: none."""
-ENV_CHECKPOINT_EVERY = "FTSYSTEM_CHECKPOINT_EVERY"
-"""Committed steps between disk checkpoints (default 100), written by the epoch's rank 0."""
 ENV_OVERLAP = "FTSYSTEM_OVERLAP"
 """``1``: send gradient buckets during backward; ``0``: one buffer after it; unset: buckets for
 gradients on a GPU or of several buckets (see :func:`overlap_by_default`)."""
@@ -106,7 +103,8 @@ def _checkpointer_from_env() -> Checkpointer | None:
     directory = os.environ.get(ENV_CHECKPOINT_DIR)
     if not directory:
         return None
-    return Checkpointer(directory, _env_int(ENV_CHECKPOINT_EVERY, 100))
+    return Checkpointer(directory, _env_int(ENV_CHECKPOINT_EVERY, 100),
+                        keep=_env_int(ENV_CHECKPOINT_KEEP, 3))
 
 
 MIN_CPU_OVERLAP_BUCKETS = 4
@@ -267,6 +265,7 @@ class FTReplica:
         With no running epoch to catch up with (the job is starting, or every replica died),
         the replica registers ready at once and the epoch's state sync aligns everybody.
         """
+        log.info("TRACE start() at %.3f since process start", time.monotonic() - __import__('ftsystem.training.catchup', fromlist=['x']).__dict__.get('_T0', 0))
         self.objects.freeze()
         self._carry = self.objects.carry()
         addresses = self._addresses()
@@ -337,7 +336,9 @@ class FTReplica:
             return False
         buf /= self.ftar.world_size
         chain = chain_next(self.chain, self.step + 1, self.ftar.epoch.number)
+        _t = time.monotonic()
         parent, intact = self.chain, self._apply_update(buf, chain)
+        log.info("TRACE step %d apply %.3f", self.step + 1, time.monotonic() - _t)
         self._carry = self.objects.carry()
         self._committed()
         self._log(LoggedUpdate(buf, parent, chain, self._carry), intact)
@@ -384,6 +385,7 @@ class FTReplica:
             overlapped = False
             verdict = self._vote(error, self.ftar.epoch.number)
             if verdict.ok:
+                log.info("TRACE step %d allreduce %.3f", self.step + 1, time.monotonic() - started)
                 metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
                 if sent_early:
                     self.overlapped_commits += 1
@@ -532,7 +534,9 @@ class FTReplica:
         Should the optimizer write into ``.grad`` anyway (seen from the version counter),
         this entry cannot be replayed, and from then on the step runs on a copy.
         """
+        _t = time.monotonic()
         self.snapshotter.before_mutation()
+        if time.monotonic() - _t > 0.001: log.info("TRACE before_mutation waited %.3f", time.monotonic() - _t)
         version = update._version
         grads_as_views(self._params, self._grad_copy(update) if self._copy_grads else update)
         try:
@@ -619,8 +623,11 @@ class FTReplica:
                 oldest = self._oldest_replayable(held)
                 staged, error = None, None
                 try:
+                    _t0 = time.monotonic()
                     self.ftar.configure(epoch)
+                    _t1 = time.monotonic()
                     staged = self._stage_sync(held, oldest)
+                    log.info("TRACE epoch %d wait %.3f configure %.3f sync %.3f", epoch.number, _t0 - started, _t1 - _t0, time.monotonic() - _t1)
                 except (EpochChanged, CollectiveFailed) as e:
                     error = e
                 verdict = self._vote(error, epoch.number, replaced=staged is not None)
@@ -628,8 +635,10 @@ class FTReplica:
                     break
                 self._after_failed_vote(verdict, error)
                 newer_than = verdict.highest
+            _t2 = time.monotonic()
             if staged is not None:
                 staged()
+            log.info("TRACE epoch %d staged-apply %.3f step %d", epoch.number, time.monotonic() - _t2, self.step)
             self._fresh = False
             took = time.monotonic() - started
             self.epochs.append({"number": epoch.number, "reason": epoch.reason,

@@ -42,6 +42,13 @@ ENV_HEARTBEAT = "FTSYSTEM_HEARTBEAT"
 ENV_HOST = "FTSYSTEM_HOST"
 ENV_TIMEOUT = "FTSYSTEM_TIMEOUT_S"
 ENV_KILL_AT = "FTSYSTEM_KILL_AT"
+ENV_CHECKPOINT_DIR = "FTSYSTEM_CHECKPOINT_DIR"
+"""Disk checkpoints for cold starts go here (a filesystem every replica shares); unset: none.
+The agent sets it (and the two below) from the job spec's checkpoint policy."""
+ENV_CHECKPOINT_EVERY = "FTSYSTEM_CHECKPOINT_EVERY"
+"""Committed steps between disk checkpoints (default 100), written by the epoch's rank 0."""
+ENV_CHECKPOINT_KEEP = "FTSYSTEM_CHECKPOINT_KEEP"
+"""Complete checkpoints kept (default 3); older ones are removed."""
 ENV_JOB_TOKEN = "FTSYSTEM_JOB_TOKEN"
 """The job's token, set by the agent from its ``FTSYSTEM_API_TOKEN`` (or ``..._FILE``): the
 rank's state server requires it of every fetch, and the rank's own fetches send it."""
