@@ -21,7 +21,7 @@ from ftsystem.baselines.restart_all import (
 )
 from ftsystem.chaos.spec import Order
 from ftsystem.launch.netns import netns_supported
-from tests.conftest import wait_for
+from conftest import wait_for
 
 CHECKPOINT_EVERY = 10
 NETNS = netns_supported()  # None, or why namespaces cannot be made here
@@ -84,6 +84,25 @@ def test_kill_then_partition_restart_every_node_from_the_checkpoint(tmp_path: Pa
     assert summary["steps"] == 30 and summary["ettr_time"] < 1.0
     pids = [s["pid"] for node in starts.values() for s in node]
     assert not [pid for pid in pids if _alive(pid)], "a worker outlived its job"
+
+
+def test_a_host_kill_takes_the_node_down_and_the_group_waits_for_its_reboot(
+        tmp_path: Path) -> None:
+    with RestartAllJob(_config(tmp_path, num_nodes=2)) as job:
+        wait_for(lambda: _mid_interval(job, "r1", CHECKPOINT_EVERY), 180,
+                 "r1 to train past its first checkpoint", poll=0.02)
+        first_agent = job.nodes[1].agent
+        outcome = job.inject(_order("host-kill", "r1", duration_s=2.0))
+        assert first_agent.poll() is not None, "the node's torchrun must be gone"
+        assert job.nodes[1].agent is not first_agent and not job.nodes[1].rebooting
+        assert job.wait() == "finished"
+    assert "started again after 2 s" in outcome
+    starts = job.starts()
+    # The rebooted node's new agent and the survivor's met in one new round, from the
+    # checkpoint, and the job trained to its end.
+    assert [len(s) for s in starts.values()] == [2, 2], starts
+    assert {s[1]["resumed_from"] for s in starts.values()} == {CHECKPOINT_EVERY}, starts
+    assert max(r["step"] for r in job.results().values()) == 30
 
 
 def test_a_run_past_its_deadline_is_killed_and_reported(tmp_path: Path) -> None:

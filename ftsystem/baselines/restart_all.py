@@ -13,7 +13,11 @@ Failure injection, from :class:`ftsystem.chaos.spec.Order` s naming replicas ``r
   the Gloo collective timeout of the training group, the only detector there is, which gets the
   detection budget ftsystem's one timeout gives its own detectors (``collective_timeout_s``);
 - ``partition`` (``netns=True``): each node is a host in its own network namespace and its link
-  goes down for the duration, without a TCP reset.
+  goes down for the duration, without a TCP reset;
+- ``host-kill``: every process of the node at once (its torchrun agent and worker; with
+  ``netns``, all of its namespace), and after the order's duration its torchrun agent starts
+  again, as a rebooted host's would (a scheduler's restart of the node, as ftsystem's
+  ``host-kill`` restarts the node's agent); the others wait for it in the next rendezvous round.
 
 The c10d rendezvous store is served from this process on the bridge (or loopback) address, as a
 rendezvous service separate from the nodes would be, so that cutting off a node never takes the
@@ -44,7 +48,7 @@ from ftsystem.measure import ettr, stall
 from ftsystem.baselines import restart_all_worker as worker
 from ftsystem.chaos.spec import ChaosSpec, Order, expand
 from ftsystem.launch.launcher import replica_id
-from ftsystem.launch.netns import IFACE, Host, HostNetwork
+from ftsystem.launch.netns import IFACE, Host, HostNetwork, namespace_pids
 from ftsystem.launch.procs import die_with_parent, kill_and_reap
 from ftsystem.measure.stall import Timeline, read_timeline
 from ftsystem.control.timeouts import Timeouts
@@ -138,6 +142,8 @@ class Node:
     host: Host | None = None
     """Its emulated host, or None on loopback."""
     agent: subprocess.Popen | None = None
+    rebooting: bool = False
+    """Hit by a ``host-kill`` and not started again yet: its exit is no end of the job."""
 
     def worker_pidfd(self, workdir: Path) -> int | None:
         """A pidfd of this node's live worker, or None between generations.
@@ -190,6 +196,7 @@ class RestartAllJob:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._store = None
+        self._endpoint, self._until = "", 0.0
 
     def __enter__(self) -> Self:
         try:
@@ -210,9 +217,10 @@ class RestartAllJob:
         self.nodes = [Node(name=replica_id(i), address=address, host=host)
                       for i, (address, host) in enumerate(places)]
         self.launched = time.time()
-        until = self.launched + self.cfg.duration_s if self.cfg.duration_s else 0.0
+        self._endpoint = f"{bind}:{store.port}"
+        self._until = self.launched + self.cfg.duration_s if self.cfg.duration_s else 0.0
         for node in self.nodes:
-            self._launch(node, f"{bind}:{store.port}", until)
+            self._launch(node)
 
     def _places(self) -> tuple[str, list[tuple[str, Host | None]]]:
         """Where the rendezvous listens, and each node's (address, host)."""
@@ -221,9 +229,9 @@ class RestartAllJob:
         net = self._stack.enter_context(HostNetwork(self.cfg.num_nodes, name=network_name()))
         return net.bridge_address, [(host.address, host) for host in net.hosts]
 
-    def _launch(self, node: Node, endpoint: str, until: float) -> None:
-        cmd = torchrun_command(self.cfg, endpoint=endpoint, local_addr=node.address,
-                               until=until)
+    def _launch(self, node: Node) -> None:
+        cmd = torchrun_command(self.cfg, endpoint=self._endpoint, local_addr=node.address,
+                               until=self._until)
         iface = "lo"
         if node.host is not None:
             cmd, iface = node.host.wrap(cmd), IFACE
@@ -261,6 +269,8 @@ class RestartAllJob:
         node = self._node(order.replica)
         if order.action == "partition":
             return self._partition(node, order.duration_s)
+        if order.action == "host-kill":
+            return self._reboot(node, order.duration_s)
         if order.action not in ("kill", "hang"):
             raise ChaosActionError(f"the restart-all baseline does not do {order.action!r}")
         fd = node.worker_pidfd(self.cfg.out_dir)
@@ -292,6 +302,21 @@ class RestartAllJob:
             node.host.heal()
         return f"link down for {duration_s:g} s"
 
+    def _reboot(self, node: Node, down_s: float) -> str:
+        with self._lock:
+            node.rebooting = True
+            pids = namespace_pids(node.host.name) if node.host is not None else []
+            for pid in pids:  # the whole host at once, as ftsystem's host-kill does
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            kill_and_reap(node.agent)  # its worker follows (parent-death signal)
+        if self._stop.wait(down_s):
+            return f"SIGKILL to the node's processes; the job ended before its reboot"
+        with self._lock:
+            self._launch(node)
+            node.rebooting = False
+        return f"SIGKILL to the node's processes; torchrun started again after {down_s:g} s"
+
     def _node(self, name: str) -> Node:
         for node in self.nodes:
             if node.name == name:
@@ -306,7 +331,8 @@ class RestartAllJob:
         deadline = self.launched + self.cfg.deadline_s
         first_exit = None
         while time.time() < deadline:
-            codes = {n.name: n.agent.poll() for n in self.nodes}
+            with self._lock:
+                codes = {n.name: None if n.rebooting else n.agent.poll() for n in self.nodes}
             running = [name for name, code in codes.items() if code is None]
             if not running:
                 failed = {name: code for name, code in codes.items() if code}

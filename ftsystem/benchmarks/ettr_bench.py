@@ -40,7 +40,7 @@ from ftsystem.launch.launcher import replica_id
 from ftsystem.measure.stall import Timeline, normal_step_time, read_timeline
 
 QUICK_DURATION_S = 60.0
-BOTH_DO = ("kill", "hang", "partition")
+BOTH_DO = ("kill", "hang", "partition", "host-kill")
 """The actions both systems carry out (the baseline has no slow, no controller or etcd)."""
 # ftsystem trains a step count, not a duration: this many times the steps that fit in the
 # window at the baseline's step time (the same model and emulated compute), so that it is
@@ -255,7 +255,7 @@ def ettr_bench(
         rounds: Annotated[int, typer.Option(min=1, help="runs of each system, the order "
                                                         "alternated per round")] = 1,
         actions: Annotated[str, typer.Option(help="actions to mix, comma-separated")
-                           ] = "kill,hang,partition",
+                           ] = "kill,hang,partition,host-kill",
         fault_duration: Annotated[str, typer.Option(help="how long a hang or partition lasts")
                                   ] = "10s",
         timeout: Annotated[float, typer.Option(help="the one timeout of both systems (s): "
@@ -276,10 +276,11 @@ def ettr_bench(
     # A SIGTERM unwinds like Ctrl-C, so that namespaces and processes are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = _checked_spec(actions, duration, mtbf, fault_duration, seed, timeout)
-    netns = "partition" in spec.actions
+    # ftsystem's host actions hit a node's emulated host: every process in its namespace.
+    netns = bool({"partition", "host-kill"} & set(spec.actions))
     if netns and (reason := _netns_problem()):
-        raise _fail(f"partition needs network namespaces, and here {reason}: run as root, "
-                    "or leave partition out of --actions")
+        raise _fail(f"partition and host-kill need network namespaces, and here {reason}: run "
+                    "as root, or leave them out of --actions")
     plan = schedule(spec, replicas)
     from ftsystem.control.etcd_server import EtcdNotInstalledError, EtcdStartError
     from ftsystem.launch.netns import NetnsError
