@@ -96,27 +96,15 @@ def test_cli_sim_writes_json_and_png(two_regions, tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     result = runner.invoke(app, [
         "sim", "halos", "--setup", str(two_regions[0]), "--trace", str(two_regions[1]),
-        "--iters", "16", "--eval-points", "4", "--non-iid", "--json", str(out), "--plot", str(png)])
+        "--iters", "16", "--eval-points", "4", "--data", "markov", "--non-iid",
+        "--json", str(out), "--plot", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert set(data["time_to_loss_s"]) == set(METHODS)
-    assert data["ratios_vs_halos"]["halos"] == 1.0
-    assert data["config"]["non_iid"] and data["machine"]
+    for target in data["targets"]:
+        assert set(target["time_to_loss_s"]) == set(METHODS)
+    assert data["seeds"] == [0] and "ablation" not in data
+    assert data["config"]["non_iid"] and data["config"]["data"] == "markov" and data["machine"]
     assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_cli_bench_json_shape(two_regions, tmp_path):
-    out = tmp_path / "bench.json"
-    result = runner.invoke(app, ["bench", "halos", "--json", str(out), "--iters", "8",
-                                 "--setup", str(two_regions[0]), "--trace", str(two_regions[1])])
-    assert result.exit_code == 0, result.output
-    data = json.loads(out.read_text())
-    for key in ("time_to_loss_s", "final_loss", "ratios_vs_halos"):
-        assert set(data[key]) == set(METHODS)
-    assert data["target_loss"] == max(min(c["loss"]) for c in data["curves"].values())
-    assert data["paper_ratios"]["pythia_410m"] == {"diloco": 7.5, "diloco_dynupd": 3.9,
-                                                   "async_local_sgd": 2.1}
-    assert (tmp_path / "bench.png").exists()
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,13 +12,30 @@ from ftsystem.cli import app, bench_app, sim_app
 from ftsystem.halos.config import DEFAULT_SETUP, DEFAULT_TRACE, PaperSetup, SetupError
 
 if TYPE_CHECKING:
-    from ftsystem.halos.simulator import SimConfig
+    from ftsystem.halos.experiment import StudyConfig
 
 ALL_METHODS = "halos,diloco,diloco_dynupd,async_local_sgd,sync"
-QUICK_ITERS, FULL_ITERS = 384, 1536
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A bench size: the model, the budget, the evaluations."""
+
+    model: str
+    iters: int
+    eval_points: int
+    eval_sequences: int
+
+
+# quick: a smoke run of every code path (about 2 min of CPU); full: a model of 1.2 M parameters
+# (hours of CPU on 2 cores: see docs/halos.md).
+QUICK = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=64)
+FULL = Preset(model="base", iters=768, eval_points=32, eval_sequences=128)
+SEEDS = "0,1,2"
 
 SETUP_OPT = typer.Option(DEFAULT_SETUP, "--setup", help="The paper's setup YAML.")
 TRACE_OPT = typer.Option(DEFAULT_TRACE, "--trace", help="Step-time/size trace of Pythia models.")
+JOBS_OPT = typer.Option(1, min=1, help="Runs at once (forked processes, one core each).")
 halos_app = typer.Typer(no_args_is_help=True, help="HALoS in real mode: the GPS, the LPSs and "
                         "the workers as processes under agents, coordinated through etcd.")
 app.add_typer(halos_app, name="halos")
@@ -30,39 +48,54 @@ def sim_halos(
     pythia: str = typer.Option("pythia-70m", help="Trace entry whose size the transfers charge."),
     step_time_ms: float = typer.Option(None, help="Local step time of a speed-1.0 worker "
                                        "(default: the YAML's, else the trace's H200 time)."),
-    iters: int = typer.Option(FULL_ITERS, help="Global iterations per method (the paper: 6144)."),
-    methods: str = typer.Option(ALL_METHODS, help="Comma-separated methods to compare."),
-    non_iid: bool = typer.Option(False, "--non-iid", help="A different language per region."),
-    local_batch: int = typer.Option(8, help="Sequences per local step of the small model."),
-    branching: int = typer.Option(8, help="Likely successors per token of the language."),
-    seed: int = typer.Option(0, help="Seed of data and initial model."),
-    eval_points: int = typer.Option(64, help="Held-out evaluations per method."),
+    iters: int = typer.Option(384, help="Global iterations per method (the paper: 6144)."),
+    methods: str = typer.Option(ALL_METHODS, help="Comma-separated methods to compare (sync "
+                                "always runs: it sets the targets)."),
+    data: str = typer.Option("text", help="text (the King James Bible) or markov (synthetic)."),
+    model: str = typer.Option("small", help="Character model for text: tiny, small, base."),
+    seeds: str = typer.Option("0", help="Comma-separated seeds; each method runs each."),
+    ablation: bool = typer.Option(False, "--ablation", help="Also FedAH, +momentum, +merging."),
+    non_iid: bool = typer.Option(False, "--non-iid", help="Per region its own share of the "
+                                 "text (markov: its own language)."),
+    local_batch: int = typer.Option(4, help="Sequences per local step of the small model."),
+    branching: int = typer.Option(8, help="Likely successors per token of the markov data."),
+    eval_points: int = typer.Option(32, help="Held-out evaluations per run."),
+    jobs: int = JOBS_OPT,
     json_path: Path = typer.Option(None, "--json", help="Write the figures here."),
-    plot: Path = typer.Option(Path("bench/results/halos_sim.png"), help="Loss curves (PNG)."),
+    plot: Path = typer.Option(Path("bench/results/halos_sim.png"), help="Ratio and loss "
+                              "curves (PNG)."),
 ) -> None:
     """Trace-driven simulation of HALoS and its baselines in virtual time (real loss)."""
     paper, cfg = _load(setup, trace, pythia=pythia, step_time_ms=step_time_ms, iters=iters,
                        eval_points=eval_points, local_batch=local_batch, branching=branching,
-                       non_iid=non_iid, seed=seed)
-    _run("sim halos", paper, cfg, _methods(methods), json_path, plot)
+                       non_iid=non_iid, data=data, model=model, eval_sequences=128,
+                       seeds=seeds, methods=methods, ablation=ablation, jobs=jobs)
+    _run("sim halos", paper, trace, cfg, json_path, plot)
 
 
 @bench_app.command("halos")
 def bench_halos(
     json_path: Path = typer.Option(..., "--json", help="Write the figures here."),
-    quick: bool = typer.Option(False, "--quick", help=f"{QUICK_ITERS} iterations, "
-                               f"not {FULL_ITERS}."),
+    quick: bool = typer.Option(False, "--quick", help=f"The {QUICK.model} model, "
+                               f"{QUICK.iters} iterations (not {FULL.model}, {FULL.iters})."),
     setup: Path = SETUP_OPT,
     trace: Path = TRACE_OPT,
     iters: int = typer.Option(None, help="Override the number of global iterations."),
-    plot: Path = typer.Option(None, help="Loss curves (PNG) (default: beside the JSON)."),
+    model: str = typer.Option(None, help="Override the model: tiny, small, base."),
+    seeds: str = typer.Option(SEEDS, help="Comma-separated seeds (at least 3 for a spread)."),
+    jobs: int = JOBS_OPT,
+    plot: Path = typer.Option(None, help="Ratio and loss curves (PNG) (default: beside the "
+                              "JSON)."),
 ) -> None:
-    """Time-to-target-loss of the five methods in the paper's 4x4 setup (simulated)."""
-    iters = iters or (QUICK_ITERS if quick else FULL_ITERS)
-    paper, cfg = _load(setup, trace, pythia="pythia-70m", step_time_ms=None, iters=iters,
-                       eval_points=64, local_batch=8, branching=8, non_iid=False, seed=0)
-    _run("bench halos" + (" --quick" if quick else ""), paper, cfg, _methods(ALL_METHODS),
-         json_path, plot or json_path.with_suffix(".png"))
+    """Time to fixed target losses of the five methods and the ablation, on real text."""
+    size = QUICK if quick else FULL
+    paper, cfg = _load(setup, trace, pythia="pythia-70m", step_time_ms=None,
+                       iters=iters or size.iters, eval_points=size.eval_points, local_batch=4,
+                       branching=8, non_iid=False, data="text", model=model or size.model,
+                       eval_sequences=size.eval_sequences, seeds=seeds, methods=ALL_METHODS,
+                       ablation=True, jobs=jobs)
+    _run("bench halos" + (" --quick" if quick else ""), paper, trace, cfg, json_path,
+         plot or json_path.with_suffix(".png"))
 
 
 def _methods(methods: str) -> list[str]:
@@ -73,49 +106,88 @@ def _methods(methods: str) -> list[str]:
     if unknown:
         raise typer.BadParameter(f"unknown methods {unknown}; choose from {', '.join(METHODS)}",
                                  param_hint="--methods")
+    return chosen + ([] if "sync" in chosen else ["sync"])
+
+
+def _seeds(seeds: str) -> list[int]:
+    try:
+        chosen = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        chosen = []
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise typer.BadParameter(f"{seeds!r}: give distinct integers, e.g. 0,1,2",
+                                 param_hint="--seeds")
     return chosen
 
 
 def _load(setup: Path, trace: Path, *, pythia: str, step_time_ms: float | None, iters: int,
-          eval_points: int, local_batch: int, branching: int, non_iid: bool,
-          seed: int) -> tuple[PaperSetup, SimConfig]:
-    """The setup and the run's configuration; a user's mistake exits with its reason."""
+          eval_points: int, local_batch: int, branching: int, non_iid: bool, data: str,
+          model: str, eval_sequences: int, seeds: str, methods: str, ablation: bool,
+          jobs: int) -> tuple[PaperSetup, StudyConfig]:
+    """The setup and the study's configuration; a user's mistake exits with its reason."""
     # torch and simpy only when a command runs: every ftsystem command imports this module.
     from ftsystem.halos.config import load_setup
+    from ftsystem.halos.corpus import CorpusError
+    from ftsystem.halos.experiment import StudyConfig
     from ftsystem.halos.simulator import SimConfig
-    from ftsystem.halos.workload import WorkloadConfig
+    from ftsystem.halos.workload import WorkloadConfig, small_model, text_model
 
+    chosen, seed_list = _methods(methods), _seeds(seeds)
     try:
         paper = load_setup(setup, trace=trace, model=pythia, step_time_ms=step_time_ms)
-        cfg = SimConfig(total_iters=iters, eval_points=eval_points, workload=WorkloadConfig(
-            local_batch=local_batch, branching=branching, non_iid=non_iid, seed=seed))
-    except (SetupError, ValueError) as err:
+        net = text_model(model) if data == "text" else small_model()
+        sim = SimConfig(total_iters=iters, eval_points=eval_points, workload=WorkloadConfig(
+            model=net, data=data, local_batch=local_batch, branching=branching,
+            non_iid=non_iid, eval_sequences=eval_sequences))
+    except (SetupError, CorpusError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    return paper, cfg
+    return paper, StudyConfig(methods=chosen, seeds=seed_list, ablation=ablation, sim=sim,
+                              jobs=jobs)
 
 
-def _run(title: str, paper: PaperSetup, cfg: SimConfig, methods: list[str],
-         json_path: Path | None, plot: Path) -> None:
-    """Compare ``methods``; print the table, write the JSON and the PNG."""
+def _run(title: str, paper: PaperSetup, trace: Path, cfg: StudyConfig, json_path: Path | None,
+         plot: Path) -> None:
+    """Run the study; print the tables, write the JSON and the PNG."""
     import torch
 
+    from ftsystem.example.workload import TinyGPT
+    from ftsystem.example.workload import num_params as num_params_of
+    from ftsystem.halos import corpus, experiment
+    from ftsystem.halos.config import trace_params
     from ftsystem.measure import report
-    from ftsystem.halos import experiment
 
-    torch.set_num_threads(1)  # tiny tensors: threads cost more than they give on shared cores
-    comp = experiment.compare(paper, cfg, methods, progress=lambda c: typer.echo(
-        f"{c.method}: final loss {c.final_loss:.4f} after {c.time_s[-1] / 3600:.2f} virtual h "
-        f"({c.wall_s:.0f} s)", err=True))
-    report.print_table(f"{title}: virtual time to the target loss {comp.target_loss:.4f} "
-                       f"({experiment.TARGET_RULE}); paper: x HALoS at the largest Pythia",
-                       experiment.TABLE_COLUMNS, experiment.table_rows(comp, paper))
-    report.write_json(json_path, experiment.summary(comp, paper, cfg)
-                      | {"machine": report.machine()})
-    iid = "non-IID" if cfg.workload.non_iid else "IID"
-    experiment.plot(comp, plot, f"{title}: {cfg.total_iters} iterations, {iid}, "
-                    f"target {comp.target_loss:.3f}")
-    typer.echo(f"loss curves: {plot}" + (f"; figures: {json_path}" if json_path else ""))
+    torch.set_num_threads(1)  # small tensors: threads cost more than they give on shared cores
+    work = cfg.sim.workload
+    study = experiment.run_study(
+        paper, cfg,
+        progress=lambda c, seed: typer.echo(
+            f"{c.method} seed {seed}: final loss {c.final_loss:.4f} after "
+            f"{c.time_s[-1] / 3600:.2f} virtual h ({c.wall_s:.0f} s)", err=True),
+        on_targets=lambda ts: typer.echo("targets (fixed from sync): " + ", ".join(
+            f"{t['loss']:.4f} at {t['fraction']:.0%}" for t in ts), err=True))
+    m = work.model
+    num_params = num_params_of(TinyGPT(m))
+    model = f"TinyGPT d{m.d_model} L{m.num_layers} heads{m.num_heads} ctx{m.seq_len} " \
+            f"vocab{m.vocab_size}"
+    data = corpus.describe() if work.data == "text" else {
+        "name": f"synthetic Markov language ({work.branching} likely successors)", "bytes": 0}
+    out = experiment.summary(
+        study, paper, cfg, corpus=data, num_params=num_params, model=model,
+        paper_model=experiment.closest_paper_model(paper, trace_params(trace), num_params))
+    out["machine"] = report.machine()
+    report.print_table(f"{title}: virtual time to targets fixed from sync "
+                       f"(median [min, max] over seeds {cfg.seeds}); paper: "
+                       f"{out['paper']['model']}", experiment.TABLE_COLUMNS,
+                       experiment.table_rows(out))
+    if "ablation" in out:
+        report.print_table(f"{title}: ablation (tokens to the targets)",
+                           experiment.ABLATION_COLUMNS, experiment.ablation_rows(out))
+    report.write_json(json_path, out)
+    experiment.plot(out, plot, f"{title}: {out['model']} ({num_params:,} parameters) on "
+                    f"{'the King James Bible' if work.data == 'text' else 'a Markov language'}"
+                    f", {cfg.sim.total_iters} iterations, seeds {cfg.seeds}")
+    typer.echo(f"plot: {plot}" + (f"; figures: {json_path}" if json_path else ""))
 
 
 @halos_app.command("run")

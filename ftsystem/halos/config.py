@@ -162,6 +162,8 @@ class PaperSetup:
     """Async-Local-SGD hyperparameters."""
     paper_ratios: dict[str, dict[str, float]]
     """Reported time-to-loss relative to HALoS, per Pythia size."""
+    paper_ablation: dict[str, dict[str, float]]
+    """Reported ablation (billions of tokens to the target loss), per Pythia size."""
 
 
 def load_setup(path: str | Path = DEFAULT_SETUP, *, trace: str | Path = DEFAULT_TRACE,
@@ -181,6 +183,14 @@ def load_setup(path: str | Path = DEFAULT_SETUP, *, trace: str | Path = DEFAULT_
     except (TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as err:
         raise SetupError(f"{path}: malformed setup ({type(err).__name__}: {err}); "
                          f"compare it with {DEFAULT_SETUP}") from None
+
+
+def trace_params(path: str | Path = DEFAULT_TRACE) -> dict[str, int]:
+    """Parameters of each model of the trace (``pythia-70m``: 70,426,624, ...)."""
+    try:
+        return {k: int(v["params"]) for k, v in _read_json(Path(path))["models"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise SetupError(f"{path}: no models with params ({err})") from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -223,7 +233,8 @@ def _build(doc: dict, trace: dict, model: str, step_time_ms: float | None) -> Pa
     return PaperSetup(network=network, time_model=_time_model(doc, trace, model, step_time_ms),
                       worker=_worker(doc), halos=halos, diloco=_diloco(doc["diloco"]),
                       async_local_sgd=_async(doc["async_local_sgd"]),
-                      paper_ratios=_paper_ratios(doc.get("reported_results", {})))
+                      paper_ratios=_paper_ratios(doc.get("reported_results", {})),
+                      paper_ablation=_paper_ablation(doc.get("reported_results", {})))
 
 
 def _network(doc: dict) -> Network:
@@ -304,3 +315,11 @@ def _paper_ratios(reported: dict) -> dict[str, dict[str, float]]:
     return {name: {k: float(v) for k, v in entry.items() if isinstance(v, (int, float))}
             for name, entry in reported.items()
             if name.startswith("pythia_") and isinstance(entry, dict)}
+
+
+def _paper_ablation(reported: dict) -> dict[str, dict[str, float]]:
+    """``ablation_<model>_tokens_to_loss_B`` entries of ``reported_results``, per model."""
+    prefix, suffix = "ablation_", "_tokens_to_loss_B"
+    return {name[len(prefix):-len(suffix)]: {k: float(v) for k, v in entry.items()}
+            for name, entry in reported.items()
+            if name.startswith(prefix) and name.endswith(suffix) and isinstance(entry, dict)}

@@ -1,141 +1,350 @@
-"""Run several methods on one setup and compare them at one target loss.
+"""Run methods over several seeds and compare them at target losses fixed before the runs.
 
-The target is the lowest held-out loss that *every* compared method reaches within the common
-budget of local steps: ``max over methods of (min of its curve)``. It depends on no method's
-tuning, every method reaches it by construction, and it is as low as that allows. Time-to-loss is
-the virtual time of a method's first evaluation at or below the target.
+Targets come from synchronous data parallel alone, the reference no method is tuned against:
+a target is sync's held-out loss at a fraction of its budget (``TARGET_FRACTIONS``: 50% and
+90%), the median over the seeds. Sync runs first for every seed, the targets are printed, then
+the other methods run. Time-to-loss is the virtual time of a run's first evaluation at or below
+the target; per method and target the JSON gives the median over seeds with min and max, and the
+same for the ratio to HALoS (computed per seed). A run that never reaches a target counts as
+infinitely slow: its time is ``null``, and a median is ``null`` once half the seeds missed.
+``ratio_sweep`` repeats the comparison at sync's loss at every 5% of its budget from 10% (the
+plot's left panel): figures that hold at one target only show there.
+
+The ablation follows the paper's (FedAH, then local and global momentum, then model merging,
+then update accumulation, which is HALoS): ``ablation_steps`` says what each step changes.
 """
 
 from __future__ import annotations
 
+import math
+import multiprocessing
+import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ftsystem.halos.config import PaperSetup
+from ftsystem.halos.config import HalosConfig, PaperSetup
 from ftsystem.halos.simulator import Curve, SimConfig, simulate
 
-TARGET_RULE = "max over methods of each method's lowest held-out loss within the common budget"
+REFERENCE = "sync"
+TARGET_FRACTIONS = (0.5, 0.9)
+SWEEP_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(2, 21))
+TARGET_RULE = ("sync data parallel's held-out loss at its first evaluation at or past the "
+               "fraction of its budget, median over the seeds; fixed before the other runs")
+ABLATION = ("fedah", "+momentum", "+merging", "+accumulation")
+ABLATION_RULE = {
+    "fedah": "hierarchical asynchronous FL: LPS and GPS apply updates without momentum "
+             "(beta_l = beta_g = 0, same lr), the LPS takes the global model (alpha = 1) and "
+             "sends after every worker update (K = 1)",
+    "+momentum": "fedah with the paper's local and global momentum (beta_l 0.9, beta_g 0.5)",
+    "+merging": "+momentum with model merging (alpha 0.25)",
+    "+accumulation": "+merging with update accumulation (K = 32): HALoS itself",
+}
 
 
 @dataclass(kw_only=True, slots=True)
-class Comparison:
-    """The methods' curves and the figures derived from them."""
+class Variant:
+    """One configuration to run: a method, for the ablation with other HALoS settings."""
 
-    curves: dict[str, Curve]
-    """Loss curve per method, in run order."""
-    target_loss: float
-    """The loss every method reached (see ``TARGET_RULE``)."""
-    tokens_per_local_step: int
-    """Tokens of one local step of the simulated model."""
+    name: str
+    """Its name in the JSON."""
+    method: str
+    """The simulator's method."""
+    halos: HalosConfig | None = None
+    """HALoS settings replacing the setup's (the ablation), or None."""
 
-    def time_to_loss_s(self, method: str) -> float | None:
-        curve = self.curves[method]
-        i = curve.first_reaching(self.target_loss)
-        return None if i is None else curve.time_s[i]
 
-    def tokens_to_loss(self, method: str) -> int | None:
-        curve = self.curves[method]
-        i = curve.first_reaching(self.target_loss)
-        return None if i is None else curve.local_steps[i] * self.tokens_per_local_step
+def ablation_variants(setup: PaperSetup) -> list[Variant]:
+    """FedAH, +momentum, +merging; +accumulation is HALoS itself and is not run again."""
+    h = setup.halos
+    fedah = replace(h, lps=replace(h.lps, beta=0.0), gps=replace(h.gps, beta=0.0),
+                    merge_alpha=1.0, accumulation_k=1)
+    momentum = replace(fedah, lps=h.lps, gps=h.gps)
+    merging = replace(momentum, merge_alpha=h.merge_alpha)
+    return [Variant(name=n, method="halos", halos=c)
+            for n, c in zip(ABLATION, (fedah, momentum, merging))]
 
-    def ratios_vs_halos(self) -> dict[str, float | None]:
-        """Time-to-loss of each method over HALoS's (empty when HALoS was not run)."""
-        if "halos" not in self.curves:
-            return {}
-        base = self.time_to_loss_s("halos")
-        return {m: _ratio(self.time_to_loss_s(m), base) for m in self.curves}
+
+@dataclass(kw_only=True, slots=True)
+class StudyConfig:
+    """Which runs: methods, ablation, seeds, and the per-run simulation."""
+
+    methods: list[str]
+    """Methods compared (sync is always run: it sets the targets)."""
+    seeds: list[int]
+    """Seeds of data and initial model; every method runs each."""
+    ablation: bool = True
+    """Also run the ablation variants (needs halos among the methods)."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """One run's budget, evaluations and workload (its seed is replaced by each seed)."""
+    jobs: int = 1
+    """Runs at once, in forked processes."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Study:
+    """Every run's curve, and the targets."""
+
+    curves: dict[str, list[Curve]]
+    """Per variant (method or ablation step), one curve per seed in seed order."""
+    targets: list[dict]
+    """``{fraction, loss, sync_losses}`` per target fraction."""
+    budget: int
+    """Local steps each run's judged model absorbs."""
+
+
+def _run(task: tuple[PaperSetup, SimConfig, Variant, int]) -> Curve:
+    setup, sim, variant, seed = task
+    if variant.halos is not None:
+        setup = replace(setup, halos=variant.halos)
+    sim = replace(sim, workload=replace(sim.workload, seed=seed))
+    curve = simulate(setup, sim, variant.method)
+    curve.method = variant.name
+    return curve
+
+
+def _run_all(tasks: list, jobs: int, progress: Callable[[Curve, int], None]) -> list[Curve]:
+    if jobs <= 1:
+        return [_keep(progress, _run(t), t[3]) for t in tasks]
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
+        return [_keep(progress, c, t[3]) for c, t in zip(pool.imap(_run, tasks), tasks)]
+
+
+def _keep(progress: Callable[[Curve, int], None], curve: Curve, seed: int) -> Curve:
+    progress(curve, seed)
+    return curve
+
+
+def loss_at(curve: Curve, steps: float) -> float:
+    """The held-out loss at the curve's first evaluation at or past ``steps`` local steps."""
+    return next((l for s, l in zip(curve.local_steps, curve.loss) if s >= steps), curve.loss[-1])
+
+
+def reference_targets(sync: Sequence[Curve], budget: int,
+                      fractions: Sequence[float]) -> list[dict]:
+    """Per fraction, sync's loss there in each seed and their median (the target)."""
+    out = []
+    for f in fractions:
+        losses = [loss_at(c, f * budget) for c in sync]
+        out.append({"fraction": f, "loss": statistics.median(losses), "sync_losses": losses})
+    return out
+
+
+def run_study(setup: PaperSetup, cfg: StudyConfig,
+              progress: Callable[[Curve, int], None] = lambda c, s: None,
+              on_targets: Callable[[list[dict]], None] = lambda t: None) -> Study:
+    """Sync for every seed, the targets, then every other method and ablation step."""
+    variants = [Variant(name=m, method=m) for m in cfg.methods if m != REFERENCE]
+    if cfg.ablation and "halos" in cfg.methods:
+        variants += ablation_variants(setup)
+    sync = _run_all([(setup, cfg.sim, Variant(name=REFERENCE, method=REFERENCE), s)
+                     for s in cfg.seeds], cfg.jobs, progress)
+    budget = cfg.sim.total_iters * len(setup.network.speeds)
+    targets = reference_targets(sync, budget, TARGET_FRACTIONS)
+    on_targets(targets)
+    rest = _run_all([(setup, cfg.sim, v, s) for v in variants for s in cfg.seeds], cfg.jobs,
+                    progress)
+    curves = {REFERENCE: sync}
+    for i, v in enumerate(variants):
+        curves[v.name] = rest[i * len(cfg.seeds):(i + 1) * len(cfg.seeds)]
+    if "+merging" in curves:
+        curves["+accumulation"] = curves["halos"]
+    return Study(curves=curves, targets=targets, budget=budget)
+
+
+def time_to_loss(curve: Curve, loss: float) -> float | None:
+    i = curve.first_reaching(loss)
+    return None if i is None else curve.time_s[i]
+
+
+def steps_to_loss(curve: Curve, loss: float) -> int | None:
+    i = curve.first_reaching(loss)
+    return None if i is None else curve.local_steps[i]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def compare(setup: PaperSetup, cfg: SimConfig, methods: Sequence[str],
-            progress: Callable[[Curve], None] = lambda _: None) -> Comparison:
-    """Simulate each method with the same budget and data; ``progress`` sees each curve."""
-    curves = {}
-    for method in methods:
-        curves[method] = simulate(setup, cfg, method)
-        progress(curves[method])
-    target = max(min(c.loss) for c in curves.values())
-    return Comparison(curves=curves, target_loss=target,
-                      tokens_per_local_step=setup.time_model.tokens_per_local_step)
+def spread(values: Sequence[float | None]) -> dict:
+    """Median, min and max over seeds; a miss (None) counts as infinite and shows as None."""
+    xs = sorted(math.inf if v is None else v for v in values)
+    finite = lambda x: None if math.isinf(x) else x  # noqa: E731
+    return {"median": finite(statistics.median(xs)), "min": finite(xs[0]),
+            "max": finite(xs[-1]), "reached": sum(v is not None for v in values)}
 
 
-def summary(comp: Comparison, setup: PaperSetup, cfg: SimConfig) -> dict:
-    """The JSON figures of a comparison (without the machine, which the caller adds)."""
-    curves = comp.curves
-    out = {
-        "time_to_loss_s": {m: comp.time_to_loss_s(m) for m in curves},
-        "tokens_to_loss": {m: comp.tokens_to_loss(m) for m in curves},
-        "final_loss": {m: c.final_loss for m, c in curves.items()},
-        "target_loss": comp.target_loss,
-        "target_rule": TARGET_RULE,
-        "ratios_vs_halos": comp.ratios_vs_halos(),
-        "paper_ratios": setup.paper_ratios,
-        "virtual_time_s": {m: c.time_s[-1] for m, c in curves.items()},
-        "wall_s": {m: round(c.wall_s, 2) for m, c in curves.items()},
-        "config": _config(setup, cfg),
-        "curves": {m: {"time_s": c.time_s, "local_steps": c.local_steps, "loss": c.loss}
-                   for m, c in curves.items()},
-    }
-    if "halos" in curves and "sync" in curves:
-        out["halos_vs_sync_final_loss_pct"] = 100 * (curves["halos"].final_loss /
-                                                     curves["sync"].final_loss - 1)
+def at_target(study: Study, names: Sequence[str], loss: float, *, tokens_per_step: int,
+              base: str = "halos") -> dict:
+    """Time, tokens and ratio to ``base`` (per seed) of each of ``names`` at ``loss``."""
+    times = {n: [time_to_loss(c, loss) for c in study.curves[n]] for n in names}
+    tokens = {n: [None if s is None else s * tokens_per_step
+                  for s in (steps_to_loss(c, loss) for c in study.curves[n])] for n in names}
+    out = {"time_to_loss_s": {n: spread(times[n]) for n in names},
+           "tokens_to_loss": {n: spread(tokens[n]) for n in names}}
+    if base in study.curves:
+        base_t = [time_to_loss(c, loss) for c in study.curves[base]]
+        base_k = [None if s is None else s * tokens_per_step
+                  for s in (steps_to_loss(c, loss) for c in study.curves[base])]
+        out["time_vs_" + base] = {n: spread([_ratio(a, b) for a, b in zip(times[n], base_t)])
+                                  for n in names}
+        out["tokens_vs_" + base] = {n: spread([_ratio(a, b) for a, b in zip(tokens[n], base_k)])
+                                    for n in names}
     return out
 
 
-def _config(setup: PaperSetup, cfg: SimConfig) -> dict:
-    w, m = cfg.workload, cfg.workload.model
-    return {"total_iters": cfg.total_iters, "workers": len(setup.network.speeds),
-            "regions": setup.network.num_regions, "non_iid": w.non_iid, "seed": w.seed,
-            "local_batch": w.local_batch, "model": f"TinyGPT d{m.d_model} L{m.num_layers} "
-            f"vocab{m.vocab_size} seq{m.seq_len}", "markov_branching": w.branching,
+def closest_paper_model(setup: PaperSetup, trace_params: dict[str, int], num_params: int) -> str:
+    """The reported Pythia size nearest ours in log(parameters)."""
+    sizes = {k: trace_params[k.replace("_", "-")] for k in setup.paper_ratios
+             if k.replace("_", "-") in trace_params}
+    return min(sizes, key=lambda k: abs(math.log(sizes[k] / num_params)), default="pythia_70m")
+
+
+def summary(study: Study, setup: PaperSetup, cfg: StudyConfig, *, corpus: dict, num_params: int,
+            model: str, paper_model: str) -> dict:
+    """The JSON figures of a study (without the machine, which the caller adds)."""
+    tps = cfg.sim.workload.local_batch * cfg.sim.workload.model.seq_len
+    methods = [m for m in study.curves if m not in ABLATION]
+    ablation = [v for v in ABLATION if v in study.curves]
+    targets = []
+    for t in study.targets:
+        entry = {"name": f"sync_{round(100 * t['fraction'])}pct", **t,
+                 **at_target(study, methods, t["loss"], tokens_per_step=tps)}
+        entry["ratio_vs_halos"] = entry.pop("time_vs_halos", {})
+        entry.pop("tokens_vs_halos", None)
+        targets.append(entry)
+    sweep = reference_targets(study.curves[REFERENCE], study.budget, SWEEP_FRACTIONS)
+    ratios = [at_target(study, methods, s["loss"], tokens_per_step=tps).get("time_vs_halos", {})
+              for s in sweep]
+    out = {
+        "corpus": corpus,
+        "model": model,
+        "model_params": num_params,
+        "seeds": cfg.seeds,
+        "target_rule": TARGET_RULE,
+        "targets": targets,
+        "final_loss": {m: spread([c.final_loss for c in study.curves[m]]) for m in methods},
+        "virtual_time_s": {m: spread([c.time_s[-1] for c in study.curves[m]]) for m in methods},
+        "ratio_sweep": {"fractions": list(SWEEP_FRACTIONS), "losses": [s["loss"] for s in sweep],
+                        "ratio_vs_halos": {m: [r.get(m) for r in ratios] for m in methods}},
+        "paper": paper_figures(setup, paper_model),
+        "config": _config(setup, cfg, tokens_per_step=tps),
+        "wall_s": {n: round(sum(c.wall_s for c in cs), 1) for n, cs in study.curves.items()},
+        "curves": {n: [{"seed": s, "time_s": c.time_s, "local_steps": c.local_steps,
+                        "loss": c.loss} for s, c in zip(cfg.seeds, cs)]
+                   for n, cs in study.curves.items()},
+    }
+    if ablation:
+        out["ablation"] = {
+            "steps": {v: ABLATION_RULE[v] for v in ablation},
+            "targets": [{"name": t["name"], "loss": t["loss"],
+                         **at_target(study, ablation, t["loss"], tokens_per_step=tps,
+                                     base="+accumulation")} for t in targets]}
+    return out
+
+
+def paper_figures(setup: PaperSetup, model: str) -> dict:
+    """What the paper reports for ``model`` (a ``reported_results`` key), with the source."""
+    return {"model": model.replace("_", "-"),
+            "source": "HALoS (Kim et al., ICML 2025) as quoted in reported_results of the "
+                      "shipped setup (ftsystem/halos/data/halos_paper_setup.yaml)",
+            "time_to_loss_vs_halos": setup.paper_ratios.get(model, {}),
+            "ablation_tokens_to_loss_B": setup.paper_ablation.get(model, {}),
+            "other_sizes": {k.replace("_", "-"): v for k, v in setup.paper_ratios.items()
+                            if k != model}}
+
+
+def _config(setup: PaperSetup, cfg: StudyConfig, *, tokens_per_step: int) -> dict:
+    w, m = cfg.sim.workload, cfg.sim.workload.model
+    return {"total_iters": cfg.sim.total_iters, "eval_points": cfg.sim.eval_points,
+            "workers": len(setup.network.speeds), "regions": setup.network.num_regions,
+            "non_iid": w.non_iid, "data": w.data, "local_batch": w.local_batch,
+            "seq_len": m.seq_len, "tokens_per_local_step": tokens_per_step,
+            "eval_sequences": w.eval_sequences, "methods": cfg.methods,
             "time_model": {"num_params": setup.time_model.num_params,
                            "bytes_per_param": setup.time_model.bytes_per_param,
                            "local_step_time_s": setup.time_model.local_step_time_s}}
 
 
-def paper_column(setup: PaperSetup, method: str) -> str:
-    """The paper's ratio for ``method`` at the largest Pythia that reports one (YAML order)."""
-    found = [r[method] for r in setup.paper_ratios.values() if method in r]
-    return f"{found[-1]:g}" if found else ("1" if method == "halos" else "-")
+def _fmt(stats: dict, scale: float = 1.0, digits: int = 2) -> str:
+    if stats["median"] is None:
+        return f"- ({stats['reached']} reached)"
+    low = "-" if stats["min"] is None else f"{stats['min'] / scale:.{digits}f}"
+    high = "inf" if stats["max"] is None else f"{stats['max'] / scale:.{digits}f}"
+    return f"{stats['median'] / scale:.{digits}f} [{low}, {high}]"
 
 
-def table_rows(comp: Comparison, setup: PaperSetup) -> list[list]:
-    ratios = comp.ratios_vs_halos()
+TABLE_COLUMNS = ["method", "target", "h to loss [min, max]", "x HALoS [min, max]", "paper",
+                 "M tokens", "final loss"]
+
+
+def table_rows(out: dict) -> list[list]:
+    paper = out["paper"]["time_to_loss_vs_halos"]
     rows = []
-    for m, c in comp.curves.items():
-        t, tok = comp.time_to_loss_s(m), comp.tokens_to_loss(m)
-        rows.append([m, "-" if t is None else f"{t / 3600:.3f}",
-                     "-" if ratios.get(m) is None else f"{ratios[m]:.2f}", paper_column(setup, m),
-                     "-" if tok is None else f"{tok / 1e9:.2f}", f"{c.final_loss:.4f}",
-                     f"{c.time_s[-1] / 3600:.2f}"])
+    for t in out["targets"]:
+        for m, stats in t["time_to_loss_s"].items():
+            rows.append([m, f"{t['loss']:.4f}", _fmt(stats, 3600, 3),
+                         _fmt(t["ratio_vs_halos"][m]) if m in t["ratio_vs_halos"] else "-",
+                         "1" if m == "halos" else f"{paper[m]:g}" if m in paper else "-",
+                         _fmt(t["tokens_to_loss"][m], 1e6), _fmt(out["final_loss"][m], 1, 4)])
     return rows
 
 
-TABLE_COLUMNS = ["method", "h to loss", "x HALoS", "paper", "B tokens", "loss", "end h"]
+ABLATION_COLUMNS = ["step", "target", "M tokens [min, max]", "x HALoS tokens", "paper B tokens",
+                    "h to loss"]
 
 
-def plot(comp: Comparison, path: str | Path, title: str) -> None:
-    """Loss against virtual time and against tokens, with the target loss, as a PNG."""
+def ablation_rows(out: dict) -> list[list]:
+    paper = out["paper"]["ablation_tokens_to_loss_B"]
+    rows = []
+    for t in out.get("ablation", {}).get("targets", []):
+        for v, stats in t["tokens_to_loss"].items():
+            key = v.replace("+", "plus_")
+            rows.append([v, f"{t['loss']:.4f}", _fmt(stats, 1e6),
+                         _fmt(t["tokens_vs_+accumulation"][v]),
+                         f"{paper[key]:g}" if key in paper else "-",
+                         _fmt(t["time_to_loss_s"][v], 3600, 3)])
+    return rows
+
+
+def plot(out: dict, path: str | Path, title: str) -> None:
+    """Ratio to HALoS against the target loss (median, min-max band), and the loss curves."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    by_time, by_tokens = fig.subplots(1, 2)
-    for m, c in comp.curves.items():
-        by_time.plot([t / 3600 for t in c.time_s], c.loss, label=m)
-        by_tokens.plot([s * comp.tokens_per_local_step / 1e9 for s in c.local_steps], c.loss,
-                       label=m)
-    for ax, xlabel in [(by_time, "virtual time (h, log)"), (by_tokens, "tokens (B)")]:
-        ax.axhline(comp.target_loss, color="gray", linestyle="--", linewidth=1, label="target")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out loss")
-        ax.grid(alpha=0.3)
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    by_target, by_time = fig.subplots(1, 2)
+    sweep = out["ratio_sweep"]
+    colors = {}
+    for m, stats in sweep["ratio_vs_halos"].items():
+        med = [math.nan if s is None or s["median"] is None else s["median"] for s in stats]
+        low = [math.nan if s is None or s["min"] is None else s["min"] for s in stats]
+        high = [math.nan if s is None or s["max"] is None else s["max"] for s in stats]
+        line, = by_target.plot(sweep["losses"], med, marker=".", label=m)
+        colors[m] = line.get_color()
+        by_target.fill_between(sweep["losses"], low, high, color=line.get_color(), alpha=0.15)
+    for t in out["targets"]:
+        by_target.axvline(t["loss"], color="gray", linestyle="--", linewidth=1)
+    by_target.invert_xaxis()
+    if any(s and s["median"] for stats in sweep["ratio_vs_halos"].values() for s in stats):
+        by_target.set_yscale("log")  # not with nothing to draw: matplotlib refuses
+    by_target.set_xlabel("target held-out loss (sync's at 10%..100% of its budget; dashed: "
+                         "the fixed targets)")
+    by_target.set_ylabel("time to target / HALoS's (median, min-max over seeds)")
+    for name, runs in out["curves"].items():
+        if name not in sweep["ratio_vs_halos"]:
+            continue
+        for i, run in enumerate(runs):
+            by_time.plot([t / 3600 for t in run["time_s"]], run["loss"], color=colors.get(name),
+                         linewidth=1, alpha=0.8, label=name if i == 0 else None)
+    for t in out["targets"]:
+        by_time.axhline(t["loss"], color="gray", linestyle="--", linewidth=1)
     by_time.set_xscale("symlog", linthresh=0.01)  # linear near 0, where every curve starts
     by_time.set_xlim(left=0)
-    by_time.legend()
+    by_time.set_xlabel("virtual time (h, log)")
+    by_time.set_ylabel("held-out loss (every seed)")
+    for ax in (by_target, by_time):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,10 +1,15 @@
 """A HALoS local parameter server as a process: ``python -m ftsystem.halos.lps --region R``.
 
-It starts from the global model, fetched from the GPS, which is also how a restarted LPS
-recovers: its own model and momentum died with it, the global model holds what it had sent. Each
-worker pseudo-gradient is applied with local momentum (``rules.lps_apply``); when the K-th since
-the last merge lands, the delta goes to the GPS in the background (workers keep pushing meanwhile)
-and the returned global model is merged with weight alpha (``rules.lps_merge``).
+It starts from the global model, fetched from the GPS. Each worker pseudo-gradient is applied
+with local momentum (``rules.lps_apply``); when the K-th since the last merge lands, the delta goes
+to the GPS in the background (workers keep pushing meanwhile) and the returned global model is
+merged with weight alpha (``rules.lps_merge``).
+
+It checkpoints its whole state (model, anchor, local momentum and its buffer, the updates since
+the last merge, the delta in flight) to ``RealConfig.state_dir`` before it answers a push and
+after each merge, so a restarted LPS resumes with its momentum and the updates it has not sent
+yet. A delta that was in flight is sent again under its first (generation, seq): the GPS applies
+it only if it had not already, and the LPS merges the answer as it would have.
 
 HTTP: ``GET /model``; ``POST /push`` (body: a pseudo-gradient; headers: the worker's name,
 generation, request number and the model version it started from), answered with the LPS's model;
@@ -16,8 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +47,7 @@ from ftsystem.halos.node import (
     unpack,
 )
 from ftsystem.halos.realconfig import GPS, RealConfig, lps_name
-from ftsystem.halos.rules import LpsState
+from ftsystem.halos.rules import LpsState, NesterovState, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +68,65 @@ class LocalServer:
         self.server = None  # the uvicorn server, once serving
         self._exchanges = 0
         self._tasks: set[asyncio.Task] = set()
+        self.in_flight: tuple[torch.Tensor, dict[str, str]] | None = None
+        """The delta sent to the GPS and not merged yet, with the headers it went with."""
+        self.checkpoint = (Path(cfg.state_dir) / f"{node.name}.pt") if cfg.state_dir else None
 
     @property
     def stats(self) -> dict:
         return self.node.stats
 
-    async def start_from_global(self) -> bool:
-        """Take the GPS's current model as this LPS's; False if the run is already over."""
-        reply = await self.node.request(self.client, GPS, "GET", "/model")
-        if reply is None:
-            return False
-        self.state = LpsState.start(unpack(reply.content))
+    async def start(self) -> bool:
+        """Resume from this LPS's checkpoint, else take the GPS's current model; False if the
+        run is already over."""
+        if self.checkpoint is not None and self.checkpoint.exists():
+            self._resume(torch.load(self.checkpoint, weights_only=True))
+            origin = {"from": "checkpoint", "version": self.version,
+                      "since_merge": self.state.since_merge}
+        else:
+            reply = await self.node.request(self.client, GPS, "GET", "/model")
+            if reply is None:
+                return False
+            self.state = LpsState.start(unpack(reply.content))
+            origin = {"from": "gps", "gps_updates": int(reply.headers[Header.VERSION])}
         for counter in ("pushes", "merges", "deltas_sent"):
             self.stats.setdefault(counter, 0)
         self.stats.setdefault("per_worker", {})
         self.stats.setdefault("starts", []).append({
-            "generation": self.node.ctx.generation, "from": "gps",
-            "gps_updates": int(reply.headers[Header.VERSION]), "pushes": self.stats["pushes"],
+            "generation": self.node.ctx.generation, **origin, "pushes": self.stats["pushes"],
             "merges": self.stats["merges"], "time": time.time()})
         self.node.changed(self.stats["pushes"])
         await self.node.flush()
         return True
+
+    def resume_exchange(self) -> None:
+        """Send again the delta a previous generation had in flight (once serving)."""
+        if self.in_flight is not None:
+            self.spawn(self._exchange(*self.in_flight))
+
+    def _resume(self, saved: dict) -> None:
+        opt = NesterovState(momentum=saved["momentum"], pending=saved["pending"],
+                            count=int(saved["count"]))
+        self.state = LpsState(server=ServerState(theta=saved["theta"], opt=opt),
+                              anchor=saved["anchor"], since_merge=int(saved["since_merge"]))
+        self.version, self._exchanges = int(saved["version"]), int(saved["exchanges"])
+        self.last_request = saved["last_request"]
+        if saved["delta"] is not None:
+            self.in_flight = (saved["delta"], saved["delta_headers"])
+
+    def _save(self) -> None:
+        """Checkpoint before a push is answered or a delta sent: a restart keeps all of it."""
+        if self.checkpoint is None:
+            return
+        opt, delta = self.state.server.opt, self.in_flight
+        tmp = self.checkpoint.with_suffix(".tmp")
+        torch.save({"theta": self.state.server.theta, "anchor": self.state.anchor,
+                    "momentum": opt.momentum, "pending": opt.pending, "count": opt.count,
+                    "since_merge": self.state.since_merge, "version": self.version,
+                    "exchanges": self._exchanges, "last_request": self.last_request,
+                    "delta": None if delta is None else delta[0],
+                    "delta_headers": None if delta is None else delta[1]}, tmp)
+        os.replace(tmp, self.checkpoint)  # atomic: a crash leaves the old or the new one
 
     def app(self) -> FastAPI:
         app = server_app(f"HALoS {self.node.name}")
@@ -129,7 +174,12 @@ class LocalServer:
         self.node.changed(self.stats["pushes"])
         metrics.HALOS_UPDATES.labels(self.node.job, self.node.name).inc()
         if delta is not None:  # lps_apply yields one delta per merge: one exchange at a time
-            self.spawn(self._exchange(delta))
+            self._exchanges += 1
+            self.in_flight = (delta, self.node.sender_headers(self._exchanges))
+            self.stats["deltas_sent"] += 1
+        self._save()
+        if delta is not None:
+            self.spawn(self._exchange(*self.in_flight))
 
     def _observe_staleness(self, base: str) -> None:
         generation, _, version = base.partition(":")
@@ -137,18 +187,17 @@ class LocalServer:
             metrics.HALOS_STALENESS.labels(self.node.job, self.node.name).observe(
                 self.version - int(version))
 
-    async def _exchange(self, delta: torch.Tensor) -> None:
+    async def _exchange(self, delta: torch.Tensor, headers: dict[str, str]) -> None:
         """Send the accumulated delta to the GPS and merge the global model it returns."""
-        self._exchanges += 1
         started = time.perf_counter()
-        headers = self.node.sender_headers(self._exchanges)
-        self.stats["deltas_sent"] += 1
         reply = await self.node.request(self.client, GPS, "POST", "/delta", body=pack(delta),
                                         headers=headers)
         if reply is None:
             return self.finish("the GPS refused the delta: the run is over")
         self.state = rules.lps_merge(self.state, unpack(reply.content), self.cfg.merge_alpha)
         self.version += 1
+        self.in_flight = None
+        self._save()
         self.stats["merges"] += 1
         self.node.changed()
         metrics.HALOS_MERGES.labels(self.node.job, self.node.name).inc()
@@ -200,11 +249,12 @@ async def run(region: int) -> None:
         if not 0 <= region < cfg.num_regions:
             raise SystemExit(f"--region {region}: the run has regions 0..{cfg.num_regions - 1}")
         lps = LocalServer(node, cfg)
-        if not await lps.start_from_global():
+        if not await lps.start():
             return
         lps.server, task, url = await serve(lps.app(), node.ctx.host)
         await node.register(role="lps", region=region, url=url)
-        log.info("serving at %s from the global model", url)
+        log.info("serving at %s from %s", url, lps.stats["starts"][-1]["from"])
+        lps.resume_exchange()
         done = lps.spawn(lps.wait_done())
         await task
         done.cancel()

@@ -103,7 +103,8 @@ def run(cfg: LaunchConfig) -> dict:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     state_dir = cfg.out_dir / "state"
     state_dir.mkdir(exist_ok=True)
-    (state_dir / "gps.pt").unlink(missing_ok=True)  # a checkpoint of an earlier run: not ours
+    for old in state_dir.glob("*.pt"):  # checkpoints of an earlier run: not ours
+        old.unlink()
     real = dataclasses.replace(cfg.real, state_dir=str(state_dir.resolve()))
     procs = ProcessGroup(cfg.out_dir)
     with _etcd(cfg.etcd, cfg.out_dir / "etcd") as etcd:

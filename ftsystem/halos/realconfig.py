@@ -63,7 +63,7 @@ class RealConfig:
     request_timeout_s: float = 30.0
     """HTTP timeout of one request between nodes."""
     state_dir: str = ""
-    """Where the GPS keeps its checkpoint (so that a restarted GPS resumes); empty: none."""
+    """Where the GPS and the LPSs keep their checkpoints (a restarted one resumes); empty: none."""
 
     def __post_init__(self) -> None:
         if min(self.num_regions, self.workers_per_region, self.num_updates, self.local_steps,
@@ -109,11 +109,15 @@ class RealConfig:
                          / self.num_workers)
 
     def lrs(self, first_step: int, steps: int) -> list[float]:
-        """The learning rates of a worker's local steps ``first_step .. first_step+steps-1``."""
+        """The learning rates of a worker's local steps ``first_step .. first_step+steps-1``.
+
+        The schedule is stepped before each step (as the authors' worker does): step ``k``
+        runs at schedule position ``k + 1``, so no step runs at the warmup's lr of 0.
+        """
         total = self.schedule_steps
         warmup = round(self.worker.warmup_fraction * total)
-        return [warmup_cosine_lr(first_step + j, max_lr=self.worker.lr, warmup=warmup, total=total)
-                for j in range(steps)]
+        return [warmup_cosine_lr(first_step + j + 1, max_lr=self.worker.lr, warmup=warmup,
+                                 total=total) for j in range(steps)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -108,8 +108,13 @@ class Run:
         return start
 
     def lrs(self, start: int, steps: int) -> list[float]:
+        """Learning rates of ``steps`` local steps from iteration ``start``.
+
+        As the authors' worker does, the schedule is stepped *before* each step: the j-th step
+        (from 0) runs at iteration ``start + j + 1``, so the first step of the run is not at lr 0.
+        """
         opt, total = self.setup.worker, self.cfg.total_iters
-        return [rules.warmup_cosine_lr(start + j, max_lr=opt.lr, total=total,
+        return [rules.warmup_cosine_lr(start + j + 1, max_lr=opt.lr, total=total,
                                        warmup=round(opt.warmup_fraction * total))
                 for j in range(steps)]
 
@@ -179,13 +184,21 @@ def _sync(run: Run) -> Generator:
 
 
 def _diloco(run: Run, *, dynamic: bool) -> Generator:
-    """DiLoCo rounds: every worker H local steps from the global model, outer Nesterov step."""
+    """DiLoCo rounds: every worker H local steps from the global model, outer Nesterov step.
+
+    Each worker claims its data in turn and its schedule starts where its data starts, as in
+    the authors' simulator; when all workers run the same H that start is rounded down to a
+    multiple of H, so they all share the round's schedule (with dynamic local updates they do
+    not: a worker later in the round starts later in the schedule).
+    """
     cfg = run.setup.diloco
     steps = run.local_steps(cfg.local_steps, dynamic)
+    same = len(set(steps)) == 1
     round_s, state = _sync_step_s(run, steps), ServerState.start(run.work.theta0)
     while True:
-        start = run.claim(sum(steps))
-        grads = [run.train(w, state.theta, start, h) for w, h in enumerate(steps)]
+        starts = [run.claim(h) for h in steps]
+        starts = [s - s % steps[0] for s in starts] if same else starts
+        grads = [run.train(w, state.theta, s, h) for w, (s, h) in enumerate(zip(starts, steps))]
         yield run.env.timeout(round_s)
         state = rules.diloco_round(state, grads, cfg.outer)
         run.record(sum(steps), state.theta)
