@@ -265,7 +265,6 @@ class FTReplica:
         With no running epoch to catch up with (the job is starting, or every replica died),
         the replica registers ready at once and the epoch's state sync aligns everybody.
         """
-        log.info("TRACE start() at %.3f since process start", time.monotonic() - __import__('ftsystem.training.catchup', fromlist=['x']).__dict__.get('_T0', 0))
         self.objects.freeze()
         self._carry = self.objects.carry()
         addresses = self._addresses()
@@ -336,9 +335,7 @@ class FTReplica:
             return False
         buf /= self.ftar.world_size
         chain = chain_next(self.chain, self.step + 1, self.ftar.epoch.number)
-        _t = time.monotonic()
         parent, intact = self.chain, self._apply_update(buf, chain)
-        log.info("TRACE step %d apply %.3f", self.step + 1, time.monotonic() - _t)
         self._carry = self.objects.carry()
         self._committed()
         self._log(LoggedUpdate(buf, parent, chain, self._carry), intact)
@@ -385,7 +382,6 @@ class FTReplica:
             overlapped = False
             verdict = self._vote(error, self.ftar.epoch.number)
             if verdict.ok:
-                log.info("TRACE step %d allreduce %.3f", self.step + 1, time.monotonic() - started)
                 metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
                 if sent_early:
                     self.overlapped_commits += 1
@@ -534,9 +530,7 @@ class FTReplica:
         Should the optimizer write into ``.grad`` anyway (seen from the version counter),
         this entry cannot be replayed, and from then on the step runs on a copy.
         """
-        _t = time.monotonic()
         self.snapshotter.before_mutation()
-        if time.monotonic() - _t > 0.001: log.info("TRACE before_mutation waited %.3f", time.monotonic() - _t)
         version = update._version
         grads_as_views(self._params, self._grad_copy(update) if self._copy_grads else update)
         try:
@@ -623,11 +617,8 @@ class FTReplica:
                 oldest = self._oldest_replayable(held)
                 staged, error = None, None
                 try:
-                    _t0 = time.monotonic()
                     self.ftar.configure(epoch)
-                    _t1 = time.monotonic()
                     staged = self._stage_sync(held, oldest)
-                    log.info("TRACE epoch %d wait %.3f configure %.3f sync %.3f", epoch.number, _t0 - started, _t1 - _t0, time.monotonic() - _t1)
                 except (EpochChanged, CollectiveFailed) as e:
                     error = e
                 verdict = self._vote(error, epoch.number, replaced=staged is not None)
@@ -635,10 +626,8 @@ class FTReplica:
                     break
                 self._after_failed_vote(verdict, error)
                 newer_than = verdict.highest
-            _t2 = time.monotonic()
             if staged is not None:
                 staged()
-            log.info("TRACE epoch %d staged-apply %.3f step %d", epoch.number, time.monotonic() - _t2, self.step)
             self._fresh = False
             took = time.monotonic() - started
             self.epochs.append({"number": epoch.number, "reason": epoch.reason,
