@@ -142,8 +142,10 @@ class Node:
     host: Host | None = None
     """Its emulated host, or None on loopback."""
     agent: subprocess.Popen | None = None
-    rebooting: bool = False
+    down: bool = False
     """Hit by a ``host-kill`` and not started again yet: its exit is no end of the job."""
+    rebooted: bool = False
+    """Its host is back: ``wait`` starts its agent."""
 
     def worker_pidfd(self, workdir: Path) -> int | None:
         """A pidfd of this node's live worker, or None between generations.
@@ -304,18 +306,26 @@ class RestartAllJob:
 
     def _reboot(self, node: Node, down_s: float) -> str:
         with self._lock:
-            node.rebooting = True
+            node.down = True
             pids = namespace_pids(node.host.name) if node.host is not None else []
             for pid in pids:  # the whole host at once, as ftsystem's host-kill does
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             kill_and_reap(node.agent)  # its worker follows (parent-death signal)
         if self._stop.wait(down_s):
-            return f"SIGKILL to the node's processes; the job ended before its reboot"
+            return "SIGKILL to the node's processes; the job ended before its reboot"
         with self._lock:
-            self._launch(node)
-            node.rebooting = False
+            node.rebooted = True
         return f"SIGKILL to the node's processes; torchrun started again after {down_s:g} s"
+
+    def _start_rebooted(self) -> None:
+        """Start the agents of hosts that are back. From ``wait``'s thread, not the chaos
+        thread's: a parent-death signal fires when the thread that started the child ends."""
+        with self._lock:
+            for node in self.nodes:
+                if node.rebooted:
+                    self._launch(node)
+                    node.down = node.rebooted = False
 
     def _node(self, name: str) -> Node:
         for node in self.nodes:
@@ -331,8 +341,9 @@ class RestartAllJob:
         deadline = self.launched + self.cfg.deadline_s
         first_exit = None
         while time.time() < deadline:
+            self._start_rebooted()
             with self._lock:
-                codes = {n.name: None if n.rebooting else n.agent.poll() for n in self.nodes}
+                codes = {n.name: None if n.down else n.agent.poll() for n in self.nodes}
             running = [name for name, code in codes.items() if code is None]
             if not running:
                 failed = {name: code for name, code in codes.items() if code}
