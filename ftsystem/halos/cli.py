@@ -163,7 +163,8 @@ def _run(title: str, paper: PaperSetup, trace: Path, cfg: StudyConfig, json_path
         paper, cfg,
         progress=lambda c, seed: typer.echo(
             f"{c.method} seed {seed}: final loss {c.final_loss:.4f} after "
-            f"{c.time_s[-1] / 3600:.2f} virtual h ({c.wall_s:.0f} s)", err=True),
+            f"{c.time_s[-1] / 3600:.2f} virtual h ({c.wall_s:.0f} s, {c.cpu_s:.0f} s CPU)",
+            err=True),
         on_targets=lambda ts: typer.echo("targets (fixed from sync): " + ", ".join(
             f"{t['loss']:.4f} at {t['fraction']:.0%}" for t in ts), err=True))
     m = work.model

@@ -229,7 +229,10 @@ def summary(study: Study, setup: PaperSetup, cfg: StudyConfig, *, corpus: dict, 
                         "ratio_vs_halos": {m: [r.get(m) for r in ratios] for m in methods}},
         "paper": paper_figures(setup, paper_model),
         "config": _config(setup, cfg, tokens_per_step=tps),
-        "wall_s": {n: round(sum(c.wall_s for c in cs), 1) for n, cs in study.curves.items()},
+        "wall_s": {n: round(sum(c.wall_s for c in cs), 1) for n, cs in study.curves.items()
+                   if n != "+accumulation"},  # the halos runs, not run again
+        "cpu_s": {n: round(sum(c.cpu_s for c in cs), 1) for n, cs in study.curves.items()
+                  if n != "+accumulation"},
         "curves": {n: [{"seed": s, "time_s": c.time_s, "local_steps": c.local_steps,
                         "loss": c.loss} for s, c in zip(cfg.seeds, cs)]
                    for n, cs in study.curves.items()},

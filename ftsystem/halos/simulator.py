@@ -59,6 +59,8 @@ class Curve:
     """Held-out loss at each evaluation."""
     wall_s: float = 0.0
     """Real seconds the simulation took."""
+    cpu_s: float = 0.0
+    """CPU seconds the simulation took (on a shared machine, less than ``wall_s``)."""
 
     @property
     def final_loss(self) -> float:
@@ -141,11 +143,12 @@ class Run:
 
     def execute(self, process: Callable[["Run"], Generator]) -> Curve:
         """Run ``process`` (a method) from the initial model until the budget is absorbed."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self._evaluate(self.work.theta0)
         self.env.process(process(self))
         self.env.run(until=self.done)
         self.curve.wall_s = time.perf_counter() - start
+        self.curve.cpu_s = time.process_time() - cpu
         return self.curve
 
 
