@@ -67,7 +67,7 @@ th { color: #5b6475; font-weight: 600 } td.num { font-variant-numeric: tabular-n
 $replicas</table>
 <h2>catching up ($num_joiners)</h2>
 <table id="joiners"><tr><th>replica</th><th>donor</th><th>its step</th><th>donor's step</th>
-<th>behind</th></tr>
+<th>behind</th><th>received</th></tr>
 $joiners</table>
 <h2>failures ($num_failures, newest first)</h2>
 <table id="failures"><tr><th>time (UTC)</th><th>replica</th><th>generation</th><th>step</th>
@@ -158,7 +158,7 @@ def render_page(job: str, items: dict[str, bytes], *, instance: str, now: float,
         replica_counts=_e(_replica_counts(view["replicas"], len(shown))),
         replicas="\n".join(_replica_row(r, r["id"] in members) for r in shown),
         num_joiners=_e(_shown_of(NUM_JOINERS_SHOWN, len(joiners))),
-        joiners=_rows(map(_joiner_row, joiners[:NUM_JOINERS_SHOWN]), 5, "none"),
+        joiners=_rows(map(_joiner_row, joiners[:NUM_JOINERS_SHOWN]), 6, "none"),
         num_failures=_e(len(failures)),
         failures="\n".join(_failure_row(f, now) for f in failures[:NUM_FAILURES_SHOWN]),
         chaos_counts=_e(_chaos_counts(orders)),
@@ -180,8 +180,8 @@ def recent_failures(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
 def catching_up(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
     """Pure: each replica in state ``catching_up``, with the donor the leader assigned it
     (``catchup/<rid>``: absent while none is assigned, empty when there is none to give and
-    it joins with a full state sync) and that donor's step. The joiner's step is the one it
-    registered when it started to catch up: it registers again once ready."""
+    it joins with a full state sync), that donor's step, and how far the joiner is (its step
+    as it replays, what it received: the joiner reports them at most every half second)."""
     registrations = {k[len(keys.replicas(job)):]: json.loads(v) for k, v in items.items()
                      if k.startswith(keys.replicas(job))}
     joiners = []
@@ -192,7 +192,7 @@ def catching_up(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
         donor = json.loads(raw).get("donor") if raw else None
         donor_step = registrations.get(donor, {}).get("step") if donor else None
         joiners.append({"replica": rid, "step": reg.get("step"), "donor": donor,
-                        "donor_step": donor_step})
+                        "donor_step": donor_step, "received": reg.get("catchup") or {}})
     return joiners
 
 
@@ -269,7 +269,21 @@ def _joiner_row(joiner: dict[str, Any]) -> str:
     return (f'<tr data-replica="{_e(joiner["replica"])}"><td>{_e(joiner["replica"])}</td>'
             f'<td>{_e(donor_text)}</td><td class="num">{_e(joiner["step"])}</td>'
             f'<td class="num">{_e(joiner["donor_step"])}</td>'
-            f'<td class="num">{_e(behind)}</td></tr>')
+            f'<td class="num">{_e(behind)}</td>'
+            f'<td class="num">{_e(_received(joiner["received"]))}</td></tr>')
+
+
+def _received(progress: dict[str, Any]) -> str:
+    """What a joiner received: the snapshot's share while it arrives, the steps replayed."""
+    if not isinstance(progress.get("bytes"), int):
+        return "-"
+    text = f"{progress['bytes'] / 1e6:,.0f} MB"
+    total, got = progress.get("snapshot_bytes"), progress.get("snapshot_received")
+    if isinstance(total, int) and isinstance(got, int) and 0 < got < total:
+        text += f" (snapshot {100 * got / total:.0f}%)"
+    if steps := progress.get("steps_replayed"):
+        text += f", {steps} steps replayed"
+    return text
 
 
 def _order_row(order: Order, now: float) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import threading
@@ -15,8 +16,9 @@ import torch
 from conftest import wait_for
 from ftsystem.control import keys
 from ftsystem.training.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, LoggedUpdate,
-                              Snapshotter, StateServer, UpdateLog, fetch_log, fetch_snapshot,
-                              tree_tensors)
+                              Snapshotter, StateServer, UpdateLog, decode_state, encode_state,
+                              fetch_log, fetch_snapshot, tensor_places, tree_tensors)
+from ftsystem.training.hsdp import join_step_absentees
 from ftsystem.training.fingerprint import GENESIS
 from ftsystem.training.state_access import Credentials, StateAccess
 from ftsystem.chaos.faults import FaultPoint
@@ -90,6 +92,68 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
             fetch_snapshot(server.address, 10, at_step=5, credentials=member)  # committed
     finally:
         server.shutdown()
+
+
+def test_a_snapshot_of_the_live_state_survives_the_next_optimizer_step():
+    # On CPU nothing is copied at the commit: the transfer reads the state's own memory. A
+    # mutation (the next optimizer step) first copies what the transfer has still to send, so
+    # the joiner gets the committed step's values bit for bit, and the donor trains on.
+    state = {"model": {f"w{i}": torch.randn(1 << 18) for i in range(8)}, "step": 3}
+    committed = {k: v.clone() for k, v in state["model"].items()}
+    snapshotter = Snapshotter(lambda: state)
+    snapshotter.request()
+    snapshotter.after_commit(3)
+    transfer = snapshotter.taken(3)
+    assert transfer is not None  # reading the live memory:
+    assert transfer.state.tensors[0].data_ptr() == state["model"]["w0"].data_ptr()
+    half = threading.Event()
+
+    class SlowSocket(io.BytesIO):  # a joiner that reads slowly
+        def write(self, data) -> int:
+            if self.tell() > transfer.nbytes // 2:
+                half.set()
+            time.sleep(0.002)
+            return super().write(data)
+
+    out = SlowSocket()
+    sender = threading.Thread(target=transfer.write_to, args=(out,))
+    sender.start()
+    half.wait(10)
+    snapshotter.before_mutation()
+    for tensor in state["model"].values():
+        tensor += 1.0  # the optimizer step
+    sender.join()
+    assert snapshotter.step == -1 and snapshotter.taken(3) is None  # no longer offered
+    out.seek(0)
+    step, received = decode_state(lambda buffer: out.readinto(buffer))
+    assert step == 3 and all(torch.equal(received["model"][k], committed[k]) for k in committed)
+    assert not torch.equal(state["model"]["w7"], committed["w7"])
+
+
+def test_a_snapshot_lands_in_the_joiners_own_tensors():
+    sent = {"model": {"a": torch.randn(300, 20), "b": torch.randn(7)}, "step": 2}
+    ours = {"model": {"a": torch.zeros(300, 20), "b": torch.zeros(8)}}  # b: another shape
+    out = io.BytesIO()
+    encode_state(2, sent).write_to(out)
+    out.seek(0)
+    _, received = decode_state(lambda buffer: out.readinto(buffer), tensor_places(ours))
+    assert received["model"]["a"] is ours["model"]["a"]  # received in place
+    assert torch.equal(ours["model"]["a"], sent["model"]["a"])
+    assert received["model"]["b"] is not ours["model"]["b"]
+    assert torch.equal(received["model"]["b"], sent["model"]["b"])
+
+
+def test_joiners_skip_the_join_step_only_when_every_member_has_gradients_to_send():
+    # members 0 and 1 come from a commit, 2 is the joiner
+    assert join_step_absentees([True, True, True], [False, False, True], []) == ([2], 0)
+    # member 0 is behind (it loads the donor's state): member 1's loop states are taken
+    assert join_step_absentees([True, True, True], [False, False, True], [0, 2]) == ([2], 1)
+    # a member lingering after the last step, or resyncing, sends nothing: no join step
+    assert join_step_absentees([False, True, True], [False, False, True], []) == ([], -1)
+    # two joiners at once; nobody offering; only joiners
+    assert join_step_absentees([True, True, True], [False, True, True], []) == ([1, 2], 0)
+    assert join_step_absentees([True, True], [False, False], []) == ([], -1)
+    assert join_step_absentees([True, True], [True, True], []) == ([], -1)
 
 
 def _kill(cfg_kills: list[tuple[int, int, str]]) -> list[ReplicaKill]:

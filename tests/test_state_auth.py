@@ -56,8 +56,7 @@ def _donor(access: StateAccess) -> StateServer:
     state = {"model": {"w": torch.arange(6.0)}, "step": 5}
     snapshotter = Snapshotter(lambda: state)
     snapshotter.request()
-    snapshotter.after_commit(5)
-    snapshotter.before_mutation()  # the copy is done: the snapshot of step 5 is served
+    snapshotter.after_commit(5)  # on CPU the live state is the snapshot: offered at once
     log = UpdateLog()
     log.append(5, LoggedUpdate(torch.ones(3), parent=GENESIS, chain=GENESIS))
     return StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 5, timeout_s=10,

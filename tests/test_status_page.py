@@ -82,7 +82,7 @@ def test_progress_shows_the_leaders_ettr_and_step_rate_and_a_standby_names_the_l
     assert 'id="ettr-work"' not in standby
 
 
-def test_joiners_show_their_donor_and_how_far_behind_they_are():
+def test_joiners_show_their_donor_how_far_behind_they_are_and_what_they_received():
     job, items = "demo", {}
     _put(items, keys.replica(job, "r0"), {"state": "member", "step": 500, "generation": 0})
     for rid, step in (("r1", 0), ("r2", 120), ("r3", 0)):
@@ -93,11 +93,24 @@ def test_joiners_show_their_donor_and_how_far_behind_they_are():
     joiners = _section(render_page(job, items, instance="c", now=1.0), "joiners")
     rows = dict(re.findall(r'<tr data-replica="(r\d)">(.*?)</tr>', joiners))
     assert sorted(rows) == ["r1", "r2", "r3"]  # r0 is a member, not a joiner
-    assert re.findall(r"<td[^>]*>([^<]*)</td>", rows["r1"]) == ["r1", "r0", "0", "500", "500"]
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", rows["r1"]) == ["r1", "r0", "0", "500", "500",
+                                                                 "-"]
     assert "none: full state sync" in rows["r2"] and "waiting for the leader" in rows["r3"]
-    assert re.findall(r'<td class="num">([^<]*)</td>', rows["r3"]) == ["0", "-", "-"]
+    assert re.findall(r'<td class="num">([^<]*)</td>', rows["r3"]) == ["0", "-", "-", "-"]
     nobody = render_page(job, {}, instance="c", now=1.0)
-    assert '<td class="muted" colspan="5">none</td>' in _section(nobody, "joiners")
+    assert '<td class="muted" colspan="6">none</td>' in _section(nobody, "joiners")
+    # What a joiner reports as it catches up: the snapshot in flight, then the steps replayed.
+    _put(items, keys.replica(job, "r1"), {"state": "catching_up", "step": 0, "catchup": {
+        "bytes": 412_000_000, "snapshot_received": 412_000_000,
+        "snapshot_bytes": 1_148_000_000, "steps_replayed": 0}})
+    _put(items, keys.replica(job, "r2"), {"state": "catching_up", "step": 498, "catchup": {
+        "bytes": 1_930_000_000, "snapshot_received": 1_148_000_000,
+        "snapshot_bytes": 1_148_000_000, "steps_replayed": 2}})
+    rows = dict(re.findall(r'<tr data-replica="(r\d)">(.*?)</tr>',
+                           _section(render_page(job, items, instance="c", now=1.0), "joiners")))
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", rows["r1"])[-1] == "412 MB (snapshot 36%)"
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", rows["r2"])[-4:] == [
+        "498", "-", "-", "1,930 MB, 2 steps replayed"]
     assert '<td class="muted" colspan="6">none</td>' in _section(nobody, "chaos")
 
 

@@ -52,6 +52,10 @@ class Registration:
     """With ``resync_after``: the members that had not arrived at this replica's all-reduce
     within the straggler bound (``ftsystem.control.timeouts.StragglerBound``); the leader takes them
     out of the epoch (:func:`late_members`)."""
+    catchup: dict = field(default_factory=dict)
+    """While ``catching_up``: how far (``bytes`` received, ``snapshot_received`` of
+    ``snapshot_bytes`` of the snapshot in flight, ``steps_replayed``), updated at most every
+    half second (the status page shows it)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

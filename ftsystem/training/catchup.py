@@ -2,11 +2,14 @@
 
 Donor side (every replica can donate):
 
-- :class:`Snapshotter` copies the model and optimizer state into host memory at a step
-  boundary without pausing training: the copy runs on a side thread between a commit and the
-  next ``optimizer.step()``, which is the only thing that mutates that state, and the training
-  thread waits for it only if it reaches the next ``optimizer.step()`` first (the CPU analogue
-  of an asynchronous device-to-host copy on a side stream, joined by an event).
+- :class:`Snapshotter` takes a snapshot of the model and optimizer state at a step boundary
+  without pausing training. On CPU it copies nothing: between a commit and the next
+  ``optimizer.step()`` (the only thing that mutates that state) the live tensors *are* the
+  snapshot, and they go on the wire straight from the model's memory; if the training thread
+  reaches that ``optimizer.step()`` before the transfer is done, it first copies the tensors
+  still to be sent (:meth:`EncodedState.freeze`). CUDA state is copied into pinned host memory
+  on a side stream and thread (the analogue of that window), which the training thread waits
+  for only if it reaches the next ``optimizer.step()`` first.
 - The snapshot goes out as raw tensor bytes (:func:`encode_state`): a small header, the
   non-tensor rest of the state, then every tensor's storage as it lies in memory, written
   straight from it to the socket (no pickling, no intermediate buffer). ``sendall`` releases
@@ -23,8 +26,10 @@ Donor side (every replica can donate):
   holds the donor's memory. Every request needs the job's token, and state goes only to
   members and assigned joiners (``ftsystem.training.state_access``).
 
-Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into tensors allocated
-from the header (``recv_into``); :func:`fetch_log`; the replay loop is in ``ftsystem.training.hsdp``.
+Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into the joiner's own
+state tensors where their layout matches (``recv_into``: no allocation, no copy afterwards),
+into tensors allocated from the header otherwise; :func:`fetch_log`; the replay loop is in
+``ftsystem.training.hsdp``.
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ class UpdateLog:
 
 
 class Snapshotter:
-    """Host copies of (model, optimizer) state taken between commits, served raw."""
+    """Snapshots of (model, optimizer) state taken between commits, served raw."""
 
     def __init__(self, state_fn: Callable[[], dict]) -> None:
         self._state_fn = state_fn
@@ -178,6 +183,7 @@ class Snapshotter:
         self._ready = threading.Condition()
         self._copying: threading.Thread | None = None
         self._encoded: EncodedState | None = None
+        self._live: EncodedState | None = None  # served from the state's own memory
         self.step = -1  # step of the snapshot being served, -1: none
 
     def request(self, at_step: int | None = None) -> None:
@@ -187,22 +193,36 @@ class Snapshotter:
         self._requested.set()
 
     def after_commit(self, step: int) -> None:
-        """Called by the training thread after each commit: start a requested copy."""
+        """Called by the training thread after each commit: take a requested snapshot."""
         if not self._requested.is_set() or self._copying is not None:
             return
         if self._at_step is not None and step < self._at_step:
             return
         self._requested.clear()
-        state = self._state_fn()  # references; the side thread copies them
-        self._copying = threading.Thread(target=self._copy, args=(step, state), daemon=True,
-                                         name="ftsystem-snapshot")
-        self._copying.start()
+        state = self._state_fn()  # references
+        if any(t.is_cuda for t in tree_tensors(state)):
+            self._copying = threading.Thread(target=self._copy, args=(step, state),
+                                             daemon=True, name="ftsystem-snapshot")
+            self._copying.start()
+            return
+        encoded = encode_state(step, state, live=True)
+        with self._ready:
+            self.step, self._encoded, self._live = step, encoded, encoded
+            self._ready.notify_all()
 
     def before_mutation(self) -> None:
-        """Called by the training thread before ``optimizer.step()`` or a state load."""
+        """Called by the training thread before ``optimizer.step()`` or a state load: a copy
+        in flight completes; a snapshot served from the live state is no longer offered, and
+        its transfers in flight go on from copies of what they have still to send."""
         if self._copying is not None:
             self._copying.join()
             self._copying = None
+        with self._ready:
+            live, self._live = self._live, None
+            if live is not None and self._encoded is live:
+                self.step, self._encoded = -1, None
+        if live is not None:
+            live.freeze()
 
     def _copy(self, step: int, state: dict) -> None:
         # This thread starts on cuda:0: the copy's streams belong on the state's GPU.
@@ -217,11 +237,11 @@ class Snapshotter:
             self._ready.wait_for(lambda: self.step > than, timeout_s)
             return self.step
 
-    def taken(self, step: int) -> EncodedState | None:
-        """The snapshot of ``step`` if it is still held (a reference: freeing it later does
-        not cut a transfer short)."""
+    def taken(self, step: int) -> Transfer | None:
+        """A transfer of the snapshot of ``step`` if it is still offered (the transfer keeps
+        what it sends: neither freeing the snapshot nor the next mutation cuts it short)."""
         with self._ready:
-            return self._encoded if self.step == step else None
+            return self._encoded.open() if self.step == step else None
 
     def free(self) -> None:
         """Stop serving the snapshot and release it (a transfer in flight keeps its copy)."""
@@ -232,29 +252,75 @@ class Snapshotter:
         self.free()
 
 
-@dataclass(frozen=True, slots=True)
 class EncodedState:
     """A state (a snapshot, a piece of the log) as it goes on the wire: ``prefix`` (header and
-    the state's non-tensor rest), then each of ``tensors``' bytes in order."""
+    the state's non-tensor rest), then each of ``tensors``' bytes in order.
 
-    prefix: bytes
-    tensors: list[torch.Tensor]
+    ``live``: the tensors are the replica's own, valid until :meth:`freeze` (called before
+    they are mutated); otherwise they never change.
+    """
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.prefix) + sum(t.nbytes for t in self.tensors)
+    def __init__(self, prefix: bytes, tensors: list[torch.Tensor], live: bool = False) -> None:
+        self.prefix, self.tensors = prefix, tensors
+        self.nbytes = len(prefix) + sum(t.nbytes for t in tensors)
+        self._live = live
+        self._lock = threading.Lock()  # held while a chunk is written: freeze() waits for it
+        self._positions: dict[Transfer, int] = {}  # open transfers: first tensor left to send
+
+    def open(self) -> Transfer:
+        """A transfer of this state; what it has still to send survives :meth:`freeze`."""
+        transfer = Transfer(self)
+        with self._lock:
+            self._positions[transfer] = 0
+        return transfer
 
     def write_to(self, out: BinaryIO) -> None:
         """Write it all; each tensor is written from its own memory (``sendall`` on a socket)."""
-        out.write(self.prefix)
-        for tensor in self.tensors:
-            raw = as_bytes(tensor)
-            for start in range(0, len(raw), WIRE_CHUNK_BYTES):
-                out.write(raw[start:start + WIRE_CHUNK_BYTES])
+        self.open().write_to(out)
+
+    def freeze(self) -> None:
+        """The live tensors are about to change: the open transfers go on from copies of the
+        tensors they have not sent yet. Waits for a chunk in flight (it reads live memory)."""
+        with self._lock:
+            if not self._live:
+                return
+            self._live = False
+            first = min(self._positions.values(), default=len(self.tensors))
+            for i in range(first, len(self.tensors)):
+                self.tensors[i] = _cpu_copy(self.tensors[i])
+
+    def _write(self, transfer: Transfer, out: BinaryIO) -> None:
+        try:
+            out.write(self.prefix)
+            for i in range(len(self.tensors)):
+                nbytes = self.tensors[i].nbytes
+                for start in range(0, nbytes, WIRE_CHUNK_BYTES):
+                    with self._lock:  # self.tensors[i] may be replaced by its copy meanwhile
+                        out.write(as_bytes(self.tensors[i])[start:start + WIRE_CHUNK_BYTES])
+                with self._lock:
+                    self._positions[transfer] = i + 1
+        finally:
+            with self._lock:
+                del self._positions[transfer]
 
 
-WIRE_CHUNK_BYTES = 64 << 20
-"""Largest single write or read of tensor bytes (a bound on one call's blocking, not a copy)."""
+@dataclass(eq=False, slots=True)
+class Transfer:
+    """One sending of an :class:`EncodedState` (open until written)."""
+
+    state: EncodedState
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes
+
+    def write_to(self, out: BinaryIO) -> None:
+        self.state._write(self, out)
+
+
+WIRE_CHUNK_BYTES = 4 << 20
+"""Largest single write or read of tensor bytes: a bound on one call's blocking (and on how
+long :meth:`EncodedState.freeze` waits for a write in flight), not a copy."""
 _LENGTH = struct.Struct("!Q")
 
 
@@ -263,10 +329,11 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode_state(step: int, state: Any) -> EncodedState:
+def encode_state(step: int, state: Any, live: bool = False) -> EncodedState:
     """``state`` of ``step`` ready to send: its tensors (made contiguous) travel as raw bytes, and what is
     left (the tree with a meta tensor of each one's shape and dtype in its place, and the
-    non-tensor values) is small enough to go through ``torch.save``."""
+    non-tensor values) is small enough to go through ``torch.save``. ``live``: the tensors
+    are the replica's own (see :class:`EncodedState`)."""
     tensors: list[torch.Tensor] = []
 
     def take(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,12 +344,15 @@ def encode_state(step: int, state: Any) -> EncodedState:
     torch.save(map_tensors(state, take), skeleton)
     header = json.dumps({"step": step, "skeleton_bytes": skeleton.tell(),
                          "tensor_bytes": [t.nbytes for t in tensors]}).encode()
-    return EncodedState(_LENGTH.pack(len(header)) + header + skeleton.getvalue(), tensors)
+    return EncodedState(_LENGTH.pack(len(header)) + header + skeleton.getvalue(), tensors, live)
 
 
-def decode_state(read_into: Callable[[memoryview], None]) -> tuple[int, Any]:
+def decode_state(read_into: Callable[[memoryview], None],
+                 into: dict[tuple, torch.Tensor] | None = None) -> tuple[int, Any]:
     """(step, state) of an encoded state, read by ``read_into`` (which fills the whole
-    buffer it is given): each tensor's bytes land directly in a tensor allocated for them."""
+    buffer it is given): each tensor's bytes land directly in a tensor, the one ``into``
+    holds at its place in the state's tree (see :func:`tensor_places`) when its shape and
+    dtype match and it is a contiguous CPU tensor, otherwise one allocated for them."""
     length = bytearray(_LENGTH.size)
     read_into(memoryview(length))
     header_bytes = bytearray(_LENGTH.unpack(length)[0])
@@ -292,16 +362,35 @@ def decode_state(read_into: Callable[[memoryview], None]) -> tuple[int, Any]:
     read_into(memoryview(skeleton_bytes))
     skeleton = torch.load(io.BytesIO(skeleton_bytes), weights_only=True)
     sizes = iter(header["tensor_bytes"])
+    into = into or {}
 
-    def fill(meta: torch.Tensor) -> torch.Tensor:
-        tensor = torch.empty(meta.shape, dtype=meta.dtype)
+    def fill(place: tuple, meta: torch.Tensor) -> torch.Tensor:
+        tensor = into.get(place)
+        if tensor is None or not _fits(tensor, meta):
+            tensor = torch.empty(meta.shape, dtype=meta.dtype)
         raw = as_bytes(tensor)
         if len(raw) != next(sizes):
             raise DonorUnavailableError("the state's header does not match its tensors")
         for start in range(0, len(raw), WIRE_CHUNK_BYTES):
             read_into(raw[start:start + WIRE_CHUNK_BYTES])
         return tensor
-    return header["step"], map_tensors(skeleton, fill)
+    return header["step"], map_tensors(skeleton, fill, with_place=True)
+
+
+def _fits(tensor: torch.Tensor, meta: torch.Tensor) -> bool:
+    return (tensor.device.type == "cpu" and tensor.is_contiguous() and
+            tensor.shape == meta.shape and tensor.dtype == meta.dtype)
+
+
+def tensor_places(tree: Any) -> dict[tuple, torch.Tensor]:
+    """Every tensor of ``tree`` by its place in it (the keys and indices leading to it)."""
+    places: dict[tuple, torch.Tensor] = {}
+
+    def note(place: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        places[place] = tensor
+        return tensor
+    map_tensors(tree, note, with_place=True)
+    return places
 
 
 def host_copy(tree: Any) -> Any:
@@ -333,14 +422,18 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor.detach(), non_blocking=True)
 
 
-def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` (dicts, lists, tuples) with ``fn`` applied to every tensor in it."""
+def map_tensors(tree: Any, fn: Callable[..., torch.Tensor], *, with_place: bool = False,
+                _place: tuple = ()) -> Any:
+    """``tree`` (dicts, lists, tuples) with ``fn`` applied to every tensor in it; with
+    ``with_place``, ``fn(place, tensor)``, the place being the keys and indices to it."""
     if isinstance(tree, torch.Tensor):
-        return fn(tree)
+        return fn(_place, tree) if with_place else fn(tree)
     if isinstance(tree, dict):
-        return {k: map_tensors(v, fn) for k, v in tree.items()}
+        return {k: map_tensors(v, fn, with_place=with_place, _place=(*_place, k))
+                for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(map_tensors(v, fn) for v in tree)
+        return type(tree)(map_tensors(v, fn, with_place=with_place, _place=(*_place, i))
+                          for i, v in enumerate(tree))
     return tree
 
 
@@ -410,13 +503,17 @@ class StateServer:
         if at_step is not None:
             self._serve_snapshot_of(request, at_step)
             return
-        if self.snapshotter.step < 0:
-            self.snapshotter.request()
-        step = self.snapshotter.wait_newer(-1, self._timeout_s)
-        if step < 0:
-            request.send_error(503, "no snapshot within the timeout (is this replica training?)")
-            return
-        self._stream(request, step)
+        deadline = time.monotonic() + self._timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.snapshotter.step < 0:
+                self.snapshotter.request()
+            step = self.snapshotter.wait_newer(-1, left)
+            # A snapshot of the live state is offered until the next optimizer step: if that
+            # came first, the next commit's snapshot is taken.
+            if step >= 0 and (transfer := self.snapshotter.taken(step)) is not None:
+                self._send(request, transfer)
+                return
+        request.send_error(503, "no snapshot within the timeout (is this replica training?)")
 
     def _serve_snapshot_of(self, request: BaseHTTPRequestHandler, step: int) -> None:
         """A snapshot taken right after committing ``step`` (which is still to come)."""
@@ -432,13 +529,13 @@ class StateServer:
         self._stream(request, step)
 
     def _stream(self, request: BaseHTTPRequestHandler, step: int) -> None:
-        encoded = self.snapshotter.taken(step)
-        if encoded is None:
-            request.send_error(503, f"the snapshot of step {step} was freed; ask again")
+        transfer = self.snapshotter.taken(step)
+        if transfer is None:
+            request.send_error(503, f"the snapshot of step {step} is no longer offered")
             return
-        self._send(request, encoded)
+        self._send(request, transfer)
 
-    def _send(self, request: BaseHTTPRequestHandler, encoded: EncodedState) -> None:
+    def _send(self, request: BaseHTTPRequestHandler, encoded: EncodedState | Transfer) -> None:
         request.send_response(200)
         request.send_header("Content-Length", str(encoded.nbytes))
         request.end_headers()
@@ -516,32 +613,54 @@ class Snapshot:
                 "transfer_bytes_per_s": self.nbytes / self.transfer_s if self.transfer_s else None}
 
 
+Progress = Callable[[int, int], None]
+"""Called as bytes arrive: (received so far, total)."""
+
+
 def fetch_snapshot(donor_addr: str, timeout_s: float, at_step: int | None = None, *,
-                   credentials: Credentials) -> Snapshot:
+                   credentials: Credentials,
+                   into: Callable[[], dict[tuple, torch.Tensor]] | None = None,
+                   on_progress: Progress | None = None) -> Snapshot:
     """Ask the donor for a snapshot (of step ``at_step``, still to come, if given) and receive
-    it; ``timeout_s`` bounds the wait for the snapshot and each read of it."""
+    it; ``timeout_s`` bounds the wait for the snapshot and each read of it.
+
+    ``into`` runs once the request is out, while the donor waits for its next commit to take
+    the snapshot: the tensors it returns (by place, :func:`tensor_places`) receive the
+    snapshot's where they fit (:func:`decode_state`), their contents overwritten even if the
+    transfer fails."""
     query = "" if at_step is None else f"?step={at_step}"
-    return Snapshot(*_fetch_state(donor_addr, f"/snapshot{query}", timeout_s, credentials))
+    return Snapshot(*_fetch_state(donor_addr, f"/snapshot{query}", timeout_s, credentials,
+                                  into=into, on_progress=on_progress))
 
 
 def _fetch_state(donor_addr: str, path: str, timeout_s: float, credentials: Credentials,
-                 gone: int | None = None) -> tuple[int, Any, int, float] | None:
+                 gone: int | None = None,
+                 into: Callable[[], dict[tuple, torch.Tensor]] | None = None,
+                 on_progress: Progress | None = None) -> tuple[int, Any, int, float] | None:
     """GET an encoded state: (its step, the state, bytes, seconds from its first byte to its
     last); None if the donor answers with the status ``gone``."""
     host, _, port = donor_addr.rpartition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         connection.request("GET", path, headers=credentials.headers())
+        destinations = into() if into is not None else {}
         response = connection.getresponse()
         if response.status == gone:
             return None
         if response.status != 200:
             raise DonorUnavailableError(f"{donor_addr}{path}: {response.status} "
                                         f"{response.reason}")
+        total, received = int(response.getheader("Content-Length")), 0
         started = time.monotonic()
-        step, state = decode_state(lambda buffer: _read_exactly(response, buffer))
-        return (step, state, int(response.getheader("Content-Length")),
-                time.monotonic() - started)
+
+        def read_into(buffer: memoryview) -> None:
+            nonlocal received
+            _read_exactly(response, buffer)
+            received += len(buffer)
+            if on_progress is not None:
+                on_progress(received, total)
+        step, state = decode_state(read_into, destinations)
+        return step, state, total, time.monotonic() - started
     except (OSError, http.client.HTTPException) as e:
         raise DonorUnavailableError(f"{donor_addr}{path} failed: {e}") from e
     finally:

@@ -46,7 +46,7 @@ from ftsystem.control import keys
 from ftsystem.measure import metrics
 from ftsystem.training.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
                               Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
-                              fetch_snapshot)
+                              fetch_snapshot, tensor_places)
 from ftsystem.training.checkpoint import Checkpointer, TrainingState
 from ftsystem.chaos.faults import FaultSchedule, InjectedFault
 from ftsystem.training.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
@@ -74,6 +74,9 @@ READY_LAG = 2
 """A joiner asks to join once it is this many steps (or fewer) behind its donor."""
 SNAPSHOT_LEAD = 2
 """The ranks of a joiner ask for snapshots of a step this far ahead of the donor's head."""
+CATCHUP_REPORT_S = 0.5
+"""A joiner shows its progress (its registration's ``catchup``) at most this often; its
+registration writes are rate-limited again by ``runtime.PROGRESS_INTERVAL_S``."""
 ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
 ENV_CATCHUP_MODE = "FTSYSTEM_CATCHUP"
 """``nonblocking`` (default): catch up from a donor while the others train; ``blocking``:
@@ -225,6 +228,13 @@ class FTReplica:
             before_serving=lambda: self.faults.check(self.step, "donate"))
         self.catchup_stats: dict = {}
         self._donor_addr: str | None = None
+        self._catchup_reported = 0.0
+        # The join step (see _take_join_step): this replica offers to take part in its epoch's
+        # first all-reduce with no gradient; the members agree on it at the epoch's entry.
+        self._offers_join_step = False
+        self._absent = 0  # members taking part in the next all-reduce with no gradient
+        self._join_carry = b""  # the loop-advanced objects' states of the join step
+        self._spare_buffer: torch.Tensor | None = None  # for the next gradients' sum
         self.checkpointer = _checkpointer_from_env()
         self._disk_state = {"train": TrainingState(model, optimizer),
                             f"replicated_rank{self.ctx.rank}": _DiskExtras(self)}
@@ -276,13 +286,38 @@ class FTReplica:
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             if self.replica.size == 1:
                 self._catch_up()
+                self._offers_join_step = True
             else:
                 self._catch_up_ranks()
         elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
         self.replica.barrier()  # the replica is ready when every rank is
-        self.control.register(state=ReplicaState.READY, step=self.step, **addresses)
-        self._enter_epoch(newer_than=0)
+        self.control.register(state=ReplicaState.READY, step=self.step, catchup={},
+                              **addresses)
+        if self._offers_join_step:  # its zeros, ready before the members come to sum them
+            self._spare_buffer = torch.zeros(self._numel, dtype=self._dtype,
+                                             device=self._device)
+        self._enter_epoch(newer_than=0, will_sum=self._offers_join_step)
+        if self._offers_join_step:
+            self._take_join_step()
+
+    def _take_join_step(self) -> None:
+        """Commit the step the members were committing when this replica joined, taking part
+        in its all-reduce with no gradient (and not counted in the average), as torchft's
+        healing replica does: the members do not wait for this replica's forward and backward
+        of a step they have computed already. This replica's data shard of that step is
+        skipped, as for a missing replica. Its loop-advanced objects take the members' states
+        of that step (the batch the members drew), received at the epoch's entry.
+
+        The members agree on it when the epoch is entered (``_stage_sync``): all of them must
+        be about to all-reduce their gradients. Otherwise this replica computes its first step
+        as usual.
+        """
+        self.objects.load_carry(self._join_carry)
+        self._carry = self._join_carry
+        if self.commit():
+            self.catchup_stats["join_step"] = self.step
+        self._offers_join_step = False
 
     def _addresses(self) -> dict[str, str]:
         """What rank 0 registers: its rendezvous store, every rank's state server (one
@@ -333,7 +368,8 @@ class FTReplica:
         buf = self._sum_gradients(overlapped)
         if buf is None:
             return False
-        buf /= self.ftar.world_size
+        buf /= self.ftar.world_size - self._absent  # those who took part
+        self._absent = 0
         chain = chain_next(self.chain, self.step + 1, self.ftar.epoch.number)
         parent, intact = self.chain, self._apply_update(buf, chain)
         self._carry = self.objects.carry()
@@ -363,8 +399,10 @@ class FTReplica:
                 if overlapped:  # its buckets went to the old epoch's group
                     self._overlap.disarm()
                 overlapped = False
-                if self._enter_epoch(newer_than=self.ftar.epoch.number, at_least=newest):
-                    return None
+                offered = self._offers_join_step
+                if self._enter_epoch(newer_than=self.ftar.epoch.number, at_least=newest,
+                                     will_sum=True) or offered != self._offers_join_step:
+                    return None  # replaced, or the members no longer take a join step
             started, error, buf, sent_early = time.monotonic(), None, None, overlapped
             try:
                 with self.ftar.arrival(self.step, self._stragglers.bound_s(self._step_times)):
@@ -519,7 +557,9 @@ class FTReplica:
 
     def _flat_grads(self) -> torch.Tensor:
         """This rank's gradient shards in one buffer (the layout the update log replays)."""
-        return flat_grads(self._params, self.update_log.recycle(self._numel, self._dtype))
+        out, self._spare_buffer = self._spare_buffer, None
+        return flat_grads(self._params, out if out is not None else
+                          self.update_log.recycle(self._numel, self._dtype))
 
     def _apply_update(self, update: torch.Tensor, chain: bytes) -> bool:
         """Run the step function on the averaged gradient: committed step ``step + 1``,
@@ -603,9 +643,11 @@ class FTReplica:
 
     # --- epochs ----------------------------------------------------------------------------
 
-    def _enter_epoch(self, newer_than: int, at_least: int = 0) -> bool:
+    def _enter_epoch(self, newer_than: int, at_least: int = 0, *, will_sum: bool = False) -> bool:
         """Join the newest epoch (numbered ``at_least`` or above) that has this replica as a
         trainable member; sync state. Returns True when the state was replaced by a peer's.
+        ``will_sum``: an all-reduce of gradients follows at once (entered from ``commit``, or
+        a joiner's join step).
         """
         started = time.monotonic()
         try:
@@ -618,7 +660,7 @@ class FTReplica:
                 staged, error = None, None
                 try:
                     self.ftar.configure(epoch)
-                    staged = self._stage_sync(held, oldest)
+                    staged = self._stage_sync(held, oldest, will_sum)
                 except (EpochChanged, CollectiveFailed) as e:
                     error = e
                 verdict = self._vote(error, epoch.number, replaced=staged is not None)
@@ -653,8 +695,8 @@ class FTReplica:
                 raise ReplicaEvictedError(f"replica {me} was removed in epoch {epoch.number}")
             newer_than = epoch.number  # paused, or a join that does not include us yet
 
-    def _stage_sync(self, held: list[tuple[int, LoggedUpdate]], oldest_held: int
-                    ) -> Callable[[], None] | None:
+    def _stage_sync(self, held: list[tuple[int, LoggedUpdate]], oldest_held: int,
+                    will_sum: bool) -> Callable[[], None] | None:
         """Compare committed steps and commit chains with the other members; bring the ones
         behind (or on another history) up to date.
 
@@ -667,15 +709,17 @@ class FTReplica:
         together or none does.
         """
         n, rank = self.ftar.world_size, self.ftar.rank
-        row = [self.step, int(self._fresh), oldest_held, self._signature_word(),
-               *to_words(self.chain)]
+        row = [self.step, int(self._fresh), oldest_held, self._signature_word(), int(will_sum),
+               int(self._offers_join_step), *to_words(self.chain)]
         info = torch.zeros(n, len(row), dtype=torch.int64, device=self._device)
         info[rank] = torch.tensor(row, dtype=torch.int64)
         self.ftar.allreduce_sum(info)
-        steps, fresh, oldest, signatures, *chain_words = zip(*info.tolist())
+        steps, fresh, oldest, signatures, summing, offers, *chain_words = zip(*info.tolist())
         chains = [from_words(words) for words in zip(*chain_words)]
         donor, receivers = plan_state_sync(list(steps), [bool(f) for f in fresh], chains)
         self._check_signature(signatures, donor)
+        self._agree_join_step(rank, receivers, [bool(s) for s in summing],
+                              [bool(o) for o in offers])
         if not receivers:
             return None
         self.faults.check(self.step, "sync")  # state is about to move between members
@@ -702,6 +746,22 @@ class FTReplica:
         replaying runs the step function on all its ranks together."""
         (empty,) = self.replica.any(not held)
         return -1 if empty else self.replica.max(held[0][0])
+
+    def _agree_join_step(self, rank: int, receivers: list[int],
+                         summing: list[bool], offers: list[bool]) -> None:
+        """Who takes part in this epoch's first all-reduce with no gradient (see
+        :meth:`_take_join_step`), the same on every member; those joiners receive a member's
+        loop-advanced objects' states of the step being committed (its loader has drawn that
+        step's batch already)."""
+        absent, source = join_step_absentees(summing, offers, receivers)
+        self._absent = len(absent)
+        if self._offers_join_step and rank not in absent:
+            self._offers_join_step = False
+        if absent:
+            carry = self._broadcast_bytes(self.objects.carry() if rank == source else b"",
+                                          source)
+            if rank in absent:
+                self._join_carry = carry
 
     def _signature_word(self) -> int:
         """What every replica must agree on, hashed: the registered objects, the interval of
@@ -732,6 +792,8 @@ class FTReplica:
         if self.ftar.rank == root:
             size[0] = len(payload)
         self.ftar.allreduce_sum(size)
+        if not size.item():  # every member knows it now: nothing more to send
+            return b""
         buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
         if self.ftar.rank == root:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
@@ -842,7 +904,9 @@ class FTReplica:
                 head = self._replay_from(addr)
                 if head is None:  # no snapshot yet, or the log moved past us
                     snapshot = fetch_snapshot(addr, self.ctx.timeout_s,
-                                              credentials=self._credentials)
+                                              credentials=self._credentials,
+                                              into=self._receiving_tensors,
+                                              on_progress=self._report_catchup)
                     self._load(snapshot.state)
                     self._fresh = False
                     stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
@@ -888,7 +952,9 @@ class FTReplica:
         try:
             if head >= 0:
                 snapshot = fetch_snapshot(addr, self.ctx.timeout_s, at_step=target,
-                                          credentials=self._credentials)
+                                          credentials=self._credentials,
+                                          into=self._receiving_tensors,
+                                          on_progress=self._report_catchup)
                 step, state, stats["bytes"] = snapshot.step, snapshot.state, snapshot.nbytes
                 stats.update(snapshot.stats())
         except DonorUnavailableError as e:
@@ -907,6 +973,30 @@ class FTReplica:
         metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
         log.info("replica %s rank %d loaded %s's snapshot of step %d", self.ctx.replica_id,
                  self.ctx.rank, donor, step)
+
+    def _receiving_tensors(self) -> dict[tuple, torch.Tensor]:
+        """Where a snapshot's tensors land: this rank's own state tensors (the optimizer's
+        state created first if it has none yet), so that nothing is allocated or copied as
+        they arrive. They are overwritten from here on: until a whole snapshot is loaded, this
+        replica holds no state of the job (it is fresh)."""
+        self.snapshotter.before_mutation()
+        self.update_log.clear()
+        self._fresh = True
+        return tensor_places(local_state(self.model, self.optimizer, create=True))
+
+    def _report_catchup(self, received: int = 0, total: int = 0) -> None:
+        """Show how far catching up is (the status page reads it from the registration):
+        the bytes of the snapshot in flight, the steps replayed; at most every
+        ``CATCHUP_REPORT_S``."""
+        now = time.monotonic()
+        if now - self._catchup_reported < CATCHUP_REPORT_S and received < total:
+            return
+        self._catchup_reported = now
+        stats = self.catchup_stats
+        self.control.report(step=self.step, catchup={
+            "bytes": stats["bytes"] + received, "snapshot_received": received,
+            "snapshot_bytes": total or stats.get("snapshot_bytes", 0),
+            "steps_replayed": stats["steps_replayed"]})
 
     def _assigned_donor(self, avoid: set[str]) -> tuple[str | None, str]:
         """Wait for the leader to name a donor (not one in ``avoid``); None: there is none.
@@ -953,6 +1043,7 @@ class FTReplica:
                     return None
                 self._replay(update)
                 self.catchup_stats["steps_replayed"] += 1
+                self._report_catchup()
         self.catchup_stats["bytes"] += nbytes
         metrics.CATCHUP_BYTES.labels(*self._labels).inc(nbytes)
         return head
@@ -1036,6 +1127,27 @@ class _DiskExtras:
         r.objects.load_step_state(extras["objects"])
         r.objects.load_carry(extras["carry"])
         r._carry, r.chain = extras["carry"], extras["chain"]
+
+
+# --- pure logic -----------------------------------------------------------------------------------
+
+def join_step_absentees(summing: list[bool], offers: list[bool], receivers: list[int]
+                        ) -> tuple[list[int], int]:
+    """Pure: the members that take part in an epoch's first all-reduce with no gradient, and
+    the member whose loop-advanced objects' states they take.
+
+    Those are the joiners that offer to (``offers``), provided every other member is about to
+    all-reduce the gradients it has computed (``summing``: it entered the epoch from a
+    commit). The states come from the first other member that loads nothing at the epoch's
+    entry (a receiver's belong to an older step). Otherwise nobody, ``([], -1)``: the joiners
+    compute their first step.
+    """
+    joiners = [i for i, offer in enumerate(offers) if offer]
+    others = [i for i, offer in enumerate(offers) if not offer]
+    sources = [i for i in others if i not in receivers]
+    if not joiners or not sources or not all(summing[i] for i in others):
+        return [], -1
+    return joiners, sources[0]
 
 
 # --- the end of the job: pure logic -------------------------------------------------------------

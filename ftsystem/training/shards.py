@@ -31,19 +31,21 @@ def _to_local(tree):
     return map_tensors(tree, lambda t: local(t).detach())
 
 
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                create: bool = False) -> dict:
     """This rank's live tensors (references: copy them before the next ``optimizer.step()``
-    if the values must stay, as the snapshotter does) and the optimizer's hyperparameters."""
+    if the values must stay, as the snapshotter does) and the optimizer's hyperparameters.
+    ``create``: an optimizer that has not stepped gets its state first (for receiving one)."""
     return {"model": _to_local(get_model_state_dict(model)),
-            "optim": _optimizer_slots(model, optimizer),
+            "optim": _optimizer_slots(model, optimizer, create),
             "hyper": [{k: v for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]}
 
 
-def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer, create: bool) -> dict:
     # An optimizer that has not stepped has no state, and reading it through DCP would create
-    # one (a step with lr 0): reading must not change what is read.
-    if not optimizer.state:
+    # one (a step with lr 0): reading must not change what is read, unless asked to.
+    if not optimizer.state and not create:
         return {}
     return _to_local(get_optimizer_state_dict(model, optimizer)["state"])
 
@@ -72,6 +74,10 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
 def flat_grads(params: list[nn.Parameter], out: torch.Tensor | None) -> torch.Tensor:
     """This rank's gradient shards in one buffer (``out`` if given); parameters without a
     gradient take part with zeros: every replica must all-reduce the same layout."""
+    if all(p.grad is None for p in params):  # a joiner's join step: zeros, in one pass
+        return (out if out is not None else torch.empty(
+            local_numel(params), dtype=local(params[0]).dtype, device=local(params[0]).device
+        )).zero_()
     grads = [(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
              for p in params]
     return torch.cat(grads) if out is None else torch.cat(grads, out=out)
