@@ -5,8 +5,11 @@
 #   bash scripts/install.sh          what a job needs: etcd, util-linux (setpriv), iproute2
 #                                    (network namespaces for --netns), torch and ftsystem
 #   bash scripts/install.sh --test   also what the tests need: Prometheus (promtool), Chromium
-#                                    (the status page's browser test), the [test] extra
-#                                    (pytest, schemathesis, the simulators' matplotlib and simpy)
+#                                    (the status page's browser test), Podman with runc,
+#                                    catatonit and mmdebstrap (the images built and the compose
+#                                    job run, tests/test_containers.py), the [test] extra
+#                                    (pytest, schemathesis, podman-compose, the simulators'
+#                                    matplotlib and simpy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -21,6 +24,10 @@ command -v ip >/dev/null || missing+=(iproute2)
 if [ "$test" = 1 ]; then
   command -v prometheus >/dev/null || missing+=(prometheus)
   command -v chromium >/dev/null || missing+=(chromium)
+  command -v podman >/dev/null || missing+=(podman)
+  command -v runc >/dev/null || missing+=(runc)  # docker/containers.conf: crun fails on these VMs
+  [ -x /usr/libexec/podman/catatonit ] || missing+=(catatonit)  # compose's `init: true`
+  command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)  # the test's base image
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive

@@ -247,7 +247,7 @@ def agent_services() -> dict[str, dict]:
 def test_compose_has_every_service_and_builds_real_targets():
     services = compose()["services"]
     assert {"etcd", "controller", "prometheus", "grafana"} <= set(services)
-    assert len(agent_services()) == 2
+    assert len(agent_services()) == 3
     assert services["etcd"]["image"].startswith(("quay.io/coreos/etcd:v3.5.", "bitnami/etcd:"))
     for name, service in services.items():
         if "build" not in service:
