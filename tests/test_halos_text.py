@@ -188,6 +188,10 @@ def test_bench_json_shape(two_regions, tmp_path):
     assert data["paper"]["model"] == "pythia-70m"
     assert data["paper"]["time_to_loss_vs_halos"] == {"diloco": 7.2}
     assert data["paper"]["ablation_tokens_to_loss_B"]["fedah"] == 38.1
-    assert len(data["ratio_sweep"]["losses"]) == len(experiment.SWEEP_FRACTIONS)
+    sweep = data["ratio_sweep"]
+    assert len(sweep["losses"]) == len(experiment.SWEEP_FRACTIONS)
+    assert all(len(sweep[key][m]) == len(sweep["losses"])
+               for key in ("ratio_vs_halos", "time_to_loss_s") for m in METHODS)
+    assert sweep["ratio_vs_halos"]["halos"][0]["median"] in (1.0, None)
     assert all(len(data["curves"][n]) == 3 for n in data["curves"])
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

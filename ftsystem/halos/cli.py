@@ -50,7 +50,7 @@ def sim_halos(
                                        "(default: the YAML's, else the trace's H200 time)."),
     iters: int = typer.Option(384, help="Global iterations per method (the paper: 6144)."),
     methods: str = typer.Option(ALL_METHODS, help="Comma-separated methods to compare (sync "
-                                "always runs: it sets the targets)."),
+                                "runs in any case: it sets the targets)."),
     data: str = typer.Option("text", help="text (the King James Bible) or markov (synthetic)."),
     model: str = typer.Option("small", help="Character model for text: tiny, small, base."),
     seeds: str = typer.Option("0", help="Comma-separated seeds; each method runs each."),
@@ -106,7 +106,7 @@ def _methods(methods: str) -> list[str]:
     if unknown:
         raise typer.BadParameter(f"unknown methods {unknown}; choose from {', '.join(METHODS)}",
                                  param_hint="--methods")
-    return chosen + ([] if "sync" in chosen else ["sync"])
+    return chosen
 
 
 def _seeds(seeds: str) -> list[int]:

@@ -70,7 +70,8 @@ class StudyConfig:
     """Which runs: methods, ablation, seeds, and the per-run simulation."""
 
     methods: list[str]
-    """Methods compared (sync is always run: it sets the targets)."""
+    """Methods compared and reported (sync runs in any case: it sets the targets; its curves
+    are in the JSON's ``curves``)."""
     seeds: list[int]
     """Seeds of data and initial model; every method runs each."""
     ablation: bool = True
@@ -204,7 +205,7 @@ def summary(study: Study, setup: PaperSetup, cfg: StudyConfig, *, corpus: dict, 
             model: str, paper_model: str) -> dict:
     """The JSON figures of a study (without the machine, which the caller adds)."""
     tps = cfg.sim.workload.local_batch * cfg.sim.workload.model.seq_len
-    methods = [m for m in study.curves if m not in ABLATION]
+    methods = [m for m in study.curves if m in cfg.methods]
     ablation = [v for v in ABLATION if v in study.curves]
     targets = []
     for t in study.targets:
@@ -214,8 +215,7 @@ def summary(study: Study, setup: PaperSetup, cfg: StudyConfig, *, corpus: dict, 
         entry.pop("tokens_vs_halos", None)
         targets.append(entry)
     sweep = reference_targets(study.curves[REFERENCE], study.budget, SWEEP_FRACTIONS)
-    ratios = [at_target(study, methods, s["loss"], tokens_per_step=tps).get("time_vs_halos", {})
-              for s in sweep]
+    swept = [at_target(study, methods, s["loss"], tokens_per_step=tps) for s in sweep]
     out = {
         "corpus": corpus,
         "model": model,
@@ -226,7 +226,10 @@ def summary(study: Study, setup: PaperSetup, cfg: StudyConfig, *, corpus: dict, 
         "final_loss": {m: spread([c.final_loss for c in study.curves[m]]) for m in methods},
         "virtual_time_s": {m: spread([c.time_s[-1] for c in study.curves[m]]) for m in methods},
         "ratio_sweep": {"fractions": list(SWEEP_FRACTIONS), "losses": [s["loss"] for s in sweep],
-                        "ratio_vs_halos": {m: [r.get(m) for r in ratios] for m in methods}},
+                        "ratio_vs_halos": {m: [w.get("time_vs_halos", {}).get(m) for w in swept]
+                                           for m in methods},
+                        "time_to_loss_s": {m: [w["time_to_loss_s"][m] for w in swept]
+                                           for m in methods}},
         "paper": paper_figures(setup, paper_model),
         "config": _config(setup, cfg, tokens_per_step=tps),
         "wall_s": {n: round(sum(c.wall_s for c in cs), 1) for n, cs in study.curves.items()
@@ -238,11 +241,16 @@ def summary(study: Study, setup: PaperSetup, cfg: StudyConfig, *, corpus: dict, 
                    for n, cs in study.curves.items()},
     }
     if ablation:
+        swept = [at_target(study, ablation, s["loss"], tokens_per_step=tps, base="+accumulation")
+                 for s in sweep]
         out["ablation"] = {
             "steps": {v: ABLATION_RULE[v] for v in ablation},
             "targets": [{"name": t["name"], "loss": t["loss"],
                          **at_target(study, ablation, t["loss"], tokens_per_step=tps,
-                                     base="+accumulation")} for t in targets]}
+                                     base="+accumulation")} for t in targets],
+            "final_loss": {v: spread([c.final_loss for c in study.curves[v]]) for v in ablation},
+            "sweep_tokens_to_loss": {v: [w["tokens_to_loss"][v] for w in swept]
+                                     for v in ablation}}
     return out
 
 
@@ -310,34 +318,45 @@ def ablation_rows(out: dict) -> list[list]:
     return rows
 
 
+def _band(stats: list[dict | None], scale: float = 1.0) -> tuple[list, list, list]:
+    def get(s: dict | None, key: str) -> float:
+        return math.nan if s is None or s[key] is None else s[key] / scale
+    return ([get(s, "median") for s in stats], [get(s, "min") for s in stats],
+            [get(s, "max") for s in stats])
+
+
 def plot(out: dict, path: str | Path, title: str) -> None:
-    """Ratio to HALoS against the target loss (median, min-max band), and the loss curves."""
+    """Against the target loss: the ratio to HALoS and the time to reach it (median line,
+    min-max band over seeds); and every run's loss curve in virtual time."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
-    by_target, by_time = fig.subplots(1, 2)
-    sweep = out["ratio_sweep"]
-    colors = {}
-    for m, stats in sweep["ratio_vs_halos"].items():
-        med = [math.nan if s is None or s["median"] is None else s["median"] for s in stats]
-        low = [math.nan if s is None or s["min"] is None else s["min"] for s in stats]
-        high = [math.nan if s is None or s["max"] is None else s["max"] for s in stats]
-        line, = by_target.plot(sweep["losses"], med, marker=".", label=m)
-        colors[m] = line.get_color()
-        by_target.fill_between(sweep["losses"], low, high, color=line.get_color(), alpha=0.15)
-    for t in out["targets"]:
-        by_target.axvline(t["loss"], color="gray", linestyle="--", linewidth=1)
-    by_target.invert_xaxis()
-    if any(s and s["median"] for stats in sweep["ratio_vs_halos"].values() for s in stats):
-        by_target.set_yscale("log")  # not with nothing to draw: matplotlib refuses
-    by_target.set_xlabel("target held-out loss (sync's at 10%..100% of its budget; dashed: "
-                         "the fixed targets)")
-    by_target.set_ylabel("time to target / HALoS's (median, min-max over seeds)")
+    fig = Figure(figsize=(17, 4.8), layout="constrained")
+    by_ratio, by_target, by_time = fig.subplots(1, 3)
+    sweep, colors, drawn = out["ratio_sweep"], {}, {by_ratio: False, by_target: False}
+    for m in sweep["time_to_loss_s"]:
+        for ax, key, scale in [(by_target, "time_to_loss_s", 3600),
+                               (by_ratio, "ratio_vs_halos", 1)]:
+            med, low, high = _band(sweep[key].get(m, []), scale)
+            line, = ax.plot(sweep["losses"][:len(med)], med, marker=".", color=colors.get(m),
+                            label=m)
+            colors[m] = line.get_color()
+            ax.fill_between(sweep["losses"][:len(med)], low, high, color=colors[m], alpha=0.15)
+            drawn[ax] |= any(math.isfinite(y) for y in med + low + high)
+    for ax, ylabel in [(by_ratio, "time to target / HALoS's (per seed)"),
+                       (by_target, "virtual time to target (h)")]:
+        for t in out["targets"]:
+            ax.axvline(t["loss"], color="gray", linestyle="--", linewidth=1)
+        ax.invert_xaxis()
+        if drawn[ax]:
+            ax.set_yscale("log")  # not with nothing to draw: matplotlib refuses
+        ax.set_xlabel("target held-out loss (sync's at 10%..100% of its budget; dashed: the "
+                      "fixed targets)", fontsize=8)
+        ax.set_ylabel(ylabel + ", median and min-max over seeds", fontsize=8)
     for name, runs in out["curves"].items():
-        if name not in sweep["ratio_vs_halos"]:
+        if name not in colors:
             continue
         for i, run in enumerate(runs):
-            by_time.plot([t / 3600 for t in run["time_s"]], run["loss"], color=colors.get(name),
+            by_time.plot([t / 3600 for t in run["time_s"]], run["loss"], color=colors[name],
                          linewidth=1, alpha=0.8, label=name if i == 0 else None)
     for t in out["targets"]:
         by_time.axhline(t["loss"], color="gray", linestyle="--", linewidth=1)
@@ -345,9 +364,9 @@ def plot(out: dict, path: str | Path, title: str) -> None:
     by_time.set_xlim(left=0)
     by_time.set_xlabel("virtual time (h, log)")
     by_time.set_ylabel("held-out loss (every seed)")
-    for ax in (by_target, by_time):
+    for ax in (by_ratio, by_target, by_time):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
