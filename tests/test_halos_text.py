@@ -164,10 +164,11 @@ def two_regions(tmp_path):
     return setup_path, trace_path
 
 
-def test_bench_json_shape(two_regions, tmp_path):
+def test_quick_bench_json_shape(two_regions, tmp_path):
+    # --quick on a 2-worker setup with 16 iterations: every code path of the bench in seconds.
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, [
-        "bench", "halos", "--json", str(out), "--iters", "16", "--model", "tiny",
+        "bench", "halos", "--quick", "--json", str(out), "--iters", "16",
         "--setup", str(two_regions[0]), "--trace", str(two_regions[1])])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
