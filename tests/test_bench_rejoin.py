@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from ftsystem.benchmarks.rejoin import _torchft_fetch_s, loopback_rate, summarize
+from ftsystem.benchmarks.rejoin import _torchft_fetch_s, loopback_rate, parse_sizes, summarize
 from ftsystem.cli import app
 
 
@@ -46,6 +46,13 @@ def test_torchft_transfer_time_comes_from_its_transport_log(tmp_path) -> None:
 def test_unknown_system_is_refused() -> None:
     result = CliRunner().invoke(app, ["bench", "rejoin", "--systems", "ftsystem,ray"])
     assert result.exit_code != 0 and "unknown system(s) ray" in result.output
+
+
+def test_sizes_are_picked_by_name_and_unknown_ones_refused() -> None:
+    assert list(parse_sizes("100M")) == [100_000_000]
+    assert list(parse_sizes("1M, 10000000")) == [1_000_000, 10_000_000]
+    result = CliRunner().invoke(app, ["bench", "rejoin", "--sizes", "1M,3M"])
+    assert result.exit_code != 0 and "unknown size 3M" in result.output
 
 
 @pytest.mark.slow
