@@ -22,9 +22,13 @@ class Preset:
     """A bench size: the model, the budget, the evaluations."""
 
     model: str
+    """A ``workload.TEXT_MODELS`` name."""
     iters: int
+    """Global iterations per run."""
     eval_points: int
+    """Held-out evaluations per run."""
     eval_sequences: int
+    """Held-out windows per evaluation."""
 
 
 # quick: a smoke run of every code path (about 2 min of CPU); full: a model of 1.2 M parameters
