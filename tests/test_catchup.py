@@ -168,6 +168,9 @@ def test_join_while_training(etcd, job_id, tmp_path):
     catchup = r1["catchup"]
     assert catchup["donors"] in (["r0"], ["r2"]) and catchup["snapshot_step"] >= 40
     assert catchup["bytes"] > 0 and r1["commits"], "r1 did not train after catching up"
+    # its first commit was the join step, taken with no gradient while the members committed
+    # theirs (its loader took their states of that step: the invariant above holds)
+    assert r1["commits"][0][0] == catchup["join_step"] > catchup["snapshot_step"]
     # the members let it in with a log-based sync, not a full-state transfer
     join = [e for e in load_results(tmp_path)["r0"]["epochs"] if e["reason"] == "join"]
     assert join, "no join epoch"

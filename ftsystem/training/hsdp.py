@@ -709,17 +709,21 @@ class FTReplica:
         together or none does.
         """
         n, rank = self.ftar.world_size, self.ftar.rank
+        # A member about to sum its gradients has drawn the batch of the step being committed:
+        # a joiner taking that step with no gradient takes these states (see _take_join_step).
+        pending_carry = self.objects.carry() if will_sum else b""
         row = [self.step, int(self._fresh), oldest_held, self._signature_word(), int(will_sum),
-               int(self._offers_join_step), *to_words(self.chain)]
+               int(self._offers_join_step), len(pending_carry), *to_words(self.chain)]
         info = torch.zeros(n, len(row), dtype=torch.int64, device=self._device)
         info[rank] = torch.tensor(row, dtype=torch.int64)
         self.ftar.allreduce_sum(info)
-        steps, fresh, oldest, signatures, summing, offers, *chain_words = zip(*info.tolist())
+        steps, fresh, oldest, signatures, summing, offers, carry_sizes, *chain_words = \
+            zip(*info.tolist())
         chains = [from_words(words) for words in zip(*chain_words)]
         donor, receivers = plan_state_sync(list(steps), [bool(f) for f in fresh], chains)
         self._check_signature(signatures, donor)
         self._agree_join_step(rank, receivers, [bool(s) for s in summing],
-                              [bool(o) for o in offers])
+                              [bool(o) for o in offers], pending_carry, carry_sizes)
         if not receivers:
             return None
         self.faults.check(self.step, "sync")  # state is about to move between members
@@ -747,19 +751,19 @@ class FTReplica:
         (empty,) = self.replica.any(not held)
         return -1 if empty else self.replica.max(held[0][0])
 
-    def _agree_join_step(self, rank: int, receivers: list[int],
-                         summing: list[bool], offers: list[bool]) -> None:
+    def _agree_join_step(self, rank: int, receivers: list[int], summing: list[bool],
+                         offers: list[bool], pending_carry: bytes, carry_sizes: tuple[int, ...]
+                         ) -> None:
         """Who takes part in this epoch's first all-reduce with no gradient (see
         :meth:`_take_join_step`), the same on every member; those joiners receive a member's
-        loop-advanced objects' states of the step being committed (its loader has drawn that
-        step's batch already)."""
+        ``pending_carry``: its loop-advanced objects' states of the step being committed."""
         absent, source = join_step_absentees(summing, offers, receivers)
         self._absent = len(absent)
         if self._offers_join_step and rank not in absent:
             self._offers_join_step = False
         if absent:
-            carry = self._broadcast_bytes(self.objects.carry() if rank == source else b"",
-                                          source)
+            carry = self._broadcast_bytes(pending_carry if rank == source else b"", source,
+                                          size=carry_sizes[source])
             if rank in absent:
                 self._join_carry = carry
 
@@ -786,15 +790,18 @@ class FTReplica:
                               {"time": time.time(), "step": self.step, "reason": str(error)})
         raise error
 
-    def _broadcast_bytes(self, payload: bytes, root: int) -> bytes:
-        """``payload`` of member ``root``, on every member."""
-        size = torch.zeros(1, dtype=torch.int64, device=self._device)
-        if self.ftar.rank == root:
-            size[0] = len(payload)
-        self.ftar.allreduce_sum(size)
-        if not size.item():  # every member knows it now: nothing more to send
+    def _broadcast_bytes(self, payload: bytes, root: int, size: int | None = None) -> bytes:
+        """``payload`` of member ``root``, on every member (``size``: its length, if every
+        member knows it)."""
+        if size is None:
+            sizes = torch.zeros(1, dtype=torch.int64, device=self._device)
+            if self.ftar.rank == root:
+                sizes[0] = len(payload)
+            self.ftar.allreduce_sum(sizes)
+            size = int(sizes.item())
+        if not size:  # every member knows it: nothing to send
             return b""
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
+        buf = torch.zeros(size, dtype=torch.uint8, device=self._device)
         if self.ftar.rank == root:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.ftar.broadcast(buf, root)
