@@ -9,6 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from ftsystem.benchmarks import rejoin
 from ftsystem.benchmarks.rejoin import _torchft_fetch_s, loopback_rate, parse_sizes, summarize
 from ftsystem.cli import app
 
@@ -46,6 +47,16 @@ def test_torchft_transfer_time_comes_from_its_transport_log(tmp_path) -> None:
 def test_unknown_system_is_refused() -> None:
     result = CliRunner().invoke(app, ["bench", "rejoin", "--systems", "ftsystem,ray"])
     assert result.exit_code != 0 and "unknown system(s) ray" in result.output
+
+
+def test_a_failed_run_is_recorded_without_figures_and_the_bench_goes_on(monkeypatch,
+                                                                       tmp_path) -> None:
+    def fail(**_):
+        raise TimeoutError("torchft scenario: timed out waiting for all replicas to finish")
+    monkeypatch.setattr(rejoin, "run_torchft", fail)
+    run = rejoin.run_system("torchft", params=1_000_000, steps=1, sleep=0.0, workdir=tmp_path)
+    assert run["join_stall_s"] is None and run["transfer_bytes_per_s"] is None
+    assert "timed out" in run["error"]
 
 
 def test_sizes_are_picked_by_name_and_unknown_ones_refused() -> None:

@@ -75,6 +75,9 @@ FIGURES = {"join_stall_s": "join_stall_s", "time_to_join_s": "time_to_join_s",
 """What each run gives, reported over the rounds (see ``report.per_round``)."""
 # torchft's HTTPTransport logs "fetching checkpoint from <url> took <seconds>s".
 TORCHFT_FETCH = re.compile(r"fetching checkpoint from \S+ took ([0-9.e-]+)s")
+TORCHFT_TIMEOUT_S = 1800.0
+"""How long torchft's replicas may take to finish: at 100M parameters on a loaded 2-core
+machine its 18 steps took longer than the scenario's default 600 s."""
 
 
 def loopback_rate(total_bytes: int = LOOPBACK_BYTES, tries: int = LOOPBACK_TRIES) -> float:
@@ -181,7 +184,7 @@ def run_torchft(*, params: int, steps: int, sleep: float, workdir: Path) -> dict
     from ftsystem.baselines.torchft_scenario import run_torchft_rejoin
     out = run_torchft_rejoin(num_replicas=2, steps=steps, model_params=params, workdir=workdir,
                              join_after_s=0.0, sleep_per_step=sleep,
-                             joiner_niceness=JOINER_NICENESS)
+                             timeout_s=TORCHFT_TIMEOUT_S, joiner_niceness=JOINER_NICENESS)
     by_index = {int(r["replica"]): r for r in out["results"]}
     members = {str(i): by_index[i]["commits"] for i in (0, 1)}
     fetch_s = _torchft_fetch_s(workdir)
@@ -222,10 +225,16 @@ def _measure(members: dict, joiner_commits: list, launched: float) -> dict:
 
 
 def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Path) -> dict:
-    if name == "torchft":
-        return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir)
-    return run_ftsystem(params=params, steps=steps, sleep=sleep, workdir=workdir,
-                        mode="nonblocking" if name == "ftsystem" else "blocking")
+    """One run; a run that fails is recorded with its error and no figures, and the bench goes
+    on (a round of every size takes most of an hour here)."""
+    try:
+        if name == "torchft":
+            return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir)
+        return run_ftsystem(params=params, steps=steps, sleep=sleep, workdir=workdir,
+                            mode="nonblocking" if name == "ftsystem" else "blocking")
+    except (RuntimeError, TimeoutError) as e:
+        typer.echo(f"{name} at {params:,} parameters failed: {e}", err=True)
+        return {figure: None for figure in FIGURES} | {"error": str(e)}
 
 
 def joiner_priority() -> str:
@@ -255,11 +264,11 @@ def parse_sizes(text: str) -> dict[int, tuple[int, float]]:
 
 def run_rounds(systems: list[str], plans: dict[int, tuple[int, float]], rounds: int,
                root: Path, loopback: tuple[int, int] = (LOOPBACK_BYTES, LOOPBACK_TRIES),
-               after_round: Callable[[list[dict], dict], None] = lambda *_: None
+               after_run: Callable[[list[dict], dict], None] = lambda *_: None
                ) -> tuple[list[dict], dict[int, dict[str, list[dict]]]]:
     """Every size on every system, ``rounds`` times, the order alternated per round: each
     round's loopback measurement, and each size's runs per system in round order.
-    ``after_round`` sees them after every round (a long run keeps what it measured)."""
+    ``after_run`` sees them after every run (a long bench keeps what it measured)."""
     loopbacks, runs = [], {params: {name: [] for name in systems} for params in plans}
     for r in range(rounds):
         loopbacks.append({"round": r, "load_before": os.getloadavg(),
@@ -271,8 +280,8 @@ def run_rounds(systems: list[str], plans: dict[int, tuple[int, float]], rounds: 
                 runs[params][name].append(run_system(
                     name, params=params, steps=steps, sleep=sleep,
                     workdir=root / f"round{r}" / f"{name}-{params}") | {"round": r})
-        loopbacks[-1]["load_after"] = os.getloadavg()
-        after_round(loopbacks, runs)
+                loopbacks[-1]["load_after"] = os.getloadavg()
+                after_run(loopbacks, runs)
     return loopbacks, runs
 
 
