@@ -14,7 +14,8 @@ all-reduced again (no recomputation). At the start of every epoch the members co
 steps; members a few steps behind replay the most advanced member's logged updates, new ones
 load its whole state. ``commit`` returns False when that changed this replica's state: its
 gradients belonged to an older step and are dropped. A restarted replica first catches up from
-a donor while the others train (``ftsystem.training.catchup``), so that it joins only a step or two behind.
+a donor while the others train (``ftsystem.training.catchup``), so that it joins only a step or two behind,
+and takes the step the members are committing with no gradient of its own (its join step).
 
 The average is over the members that took part: when a replica is missing, its data shard for
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
