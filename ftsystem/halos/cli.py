@@ -35,6 +35,9 @@ class Preset:
 # (hours of CPU on 2 cores: see docs/halos.md).
 QUICK = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=64)
 FULL = Preset(model="base", iters=768, eval_points=32, eval_sequences=128)
+# bench halos-studies runs HALoS alone, 19 variants x 3 seeds: the tiny model fits minutes of CPU.
+STUDIES_QUICK = Preset(model="tiny", iters=16, eval_points=8, eval_sequences=32)
+STUDIES_FULL = Preset(model="tiny", iters=128, eval_points=16, eval_sequences=128)
 SEEDS = "0,1,2"
 
 SETUP_OPT = typer.Option(DEFAULT_SETUP, "--setup", help="The paper's setup YAML.")
@@ -64,6 +67,9 @@ def sim_halos(
     local_batch: int = typer.Option(4, help="Sequences per local step of the small model."),
     branching: int = typer.Option(8, help="Likely successors per token of the markov data."),
     eval_points: int = typer.Option(32, help="Held-out evaluations per run."),
+    link_sharing: bool = typer.Option(False, "--link-sharing", help="Concurrent transfers "
+                                      "on a link share its bandwidth (default: each gets all "
+                                      "of it, as in the authors' simulator)."),
     jobs: int = JOBS_OPT,
     json_path: Path = typer.Option(None, "--json", help="Write the figures here."),
     plot: Path = typer.Option(Path("bench/results/halos_sim.png"), help="Ratio and loss "
@@ -74,6 +80,7 @@ def sim_halos(
                        eval_points=eval_points, local_batch=local_batch, branching=branching,
                        non_iid=non_iid, data=data, model=model, eval_sequences=128,
                        seeds=seeds, methods=methods, ablation=ablation, jobs=jobs)
+    paper.time_model.link_sharing = link_sharing
     _run("sim halos", paper, trace, cfg, json_path, plot)
 
 
@@ -100,6 +107,98 @@ def bench_halos(
                        ablation=True, jobs=jobs)
     _run("bench halos" + (" --quick" if quick else ""), paper, trace, cfg, json_path,
          plot or json_path.with_suffix(".png"))
+
+
+@bench_app.command("halos-studies")
+def bench_halos_studies(
+    json_path: Path = typer.Option(..., "--json", help="Write the figures here."),
+    quick: bool = typer.Option(False, "--quick", help=f"{STUDIES_QUICK.iters} iterations, "
+                               f"not {STUDIES_FULL.iters} (a smoke run)."),
+    study: str = typer.Option("grouping,sweep,non-iid,link-sharing", help="Comma-separated "
+                              "studies: grouping, sweep, non-iid, link-sharing."),
+    workers_per_region: str = typer.Option("2,4,4,6", help="The grouping study's workers per "
+                                           "region (speeds: the region's published ones, "
+                                           "repeated)."),
+    setup: Path = SETUP_OPT,
+    trace: Path = TRACE_OPT,
+    iters: int = typer.Option(None, help="Override the number of global iterations."),
+    model: str = typer.Option(None, help="Override the model: tiny, small, base."),
+    seeds: str = typer.Option(SEEDS, help="Comma-separated seeds (at least 3 for a spread)."),
+    jobs: int = JOBS_OPT,
+) -> None:
+    """HALoS's heterogeneous grouping, sweeps of K, alpha and the betas, non-i.i.d. data with
+    global momentum on and off, and link sharing, at targets fixed from sync."""
+    size = STUDIES_QUICK if quick else STUDIES_FULL
+    paper, cfg = _load(setup, trace, pythia="pythia-70m", step_time_ms=None,
+                       iters=iters or size.iters, eval_points=size.eval_points, local_batch=4,
+                       branching=8, non_iid=False, data="text", model=model or size.model,
+                       eval_sequences=size.eval_sequences, seeds=seeds, methods="halos,sync",
+                       ablation=False, jobs=jobs)
+    counts = _ints(workers_per_region, "--workers-per-region")
+    _run_studies("bench halos-studies" + (" --quick" if quick else ""), paper, cfg,
+                 studies=[s.strip() for s in study.split(",") if s.strip()], counts=counts,
+                 json_path=json_path)
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give comma-separated integers, e.g. 2,4,4,6",
+                                 param_hint=option) from None
+
+
+def _run_studies(title: str, paper: PaperSetup, base: StudyConfig, *, studies: list[str],
+                 counts: list[int], json_path: Path) -> None:
+    """Run the studies; print the table, write the JSON."""
+    import torch
+
+    from ftsystem.halos import corpus
+    from ftsystem.halos import studies as studies_mod
+    from ftsystem.measure import report
+
+    torch.set_num_threads(1)
+    try:
+        cfg = studies_mod.StudiesConfig(studies=studies, seeds=base.seeds, sim=base.sim,
+                                        workers_per_region=counts, jobs=base.jobs)
+        studies_mod.study_rows(paper, cfg)  # a bad --workers-per-region fails before any run
+    except (SetupError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    curves, targets = studies_mod.run_studies(paper, cfg, progress=_progress,
+                                              on_targets=_print_targets)
+    num_params, model = _model_of(base)
+    out = studies_mod.summary(curves, targets, paper, cfg, corpus=corpus.describe(),
+                              num_params=num_params, model=model)
+    out["machine"] = report.machine()
+    names = [f"{t['loss']:.4f}" for t in targets]
+    report.print_table(f"{title}: HALoS studies, median [min, max] over seeds {cfg.seeds}; "
+                       f"paper: {out['paper']['grouping']}; {out['paper']['non-iid']}",
+                       [c.format(*names) for c in studies_mod.COLUMNS],
+                       studies_mod.table_rows(out))
+    report.write_json(json_path, out)
+    typer.echo(f"figures: {json_path}")
+
+
+def _progress(c, seed: int) -> None:
+    typer.echo(f"{c.method} seed {seed}: final loss {c.final_loss:.4f} after "
+               f"{c.time_s[-1] / 3600:.2f} virtual h ({c.wall_s:.0f} s, {c.cpu_s:.0f} s CPU)",
+               err=True)
+
+
+def _print_targets(targets: list[dict]) -> None:
+    typer.echo("targets (fixed from sync): " + ", ".join(
+        f"{t['loss']:.4f} at {t['fraction']:.0%}" for t in targets), err=True)
+
+
+def _model_of(cfg: StudyConfig) -> tuple[int, str]:
+    """The trained model's parameter count and its one-line description."""
+    from ftsystem.example.workload import TinyGPT
+    from ftsystem.example.workload import num_params as num_params_of
+
+    m = cfg.sim.workload.model
+    return num_params_of(TinyGPT(m)), (f"TinyGPT d{m.d_model} L{m.num_layers} "
+                                       f"heads{m.num_heads} ctx{m.seq_len} vocab{m.vocab_size}")
 
 
 def _methods(methods: str) -> list[str]:
@@ -155,26 +254,14 @@ def _run(title: str, paper: PaperSetup, trace: Path, cfg: StudyConfig, json_path
     """Run the study; print the tables, write the JSON and the PNG."""
     import torch
 
-    from ftsystem.example.workload import TinyGPT
-    from ftsystem.example.workload import num_params as num_params_of
     from ftsystem.halos import corpus, experiment
     from ftsystem.halos.config import trace_params
     from ftsystem.measure import report
 
     torch.set_num_threads(1)  # small tensors: threads cost more than they give on shared cores
     work = cfg.sim.workload
-    study = experiment.run_study(
-        paper, cfg,
-        progress=lambda c, seed: typer.echo(
-            f"{c.method} seed {seed}: final loss {c.final_loss:.4f} after "
-            f"{c.time_s[-1] / 3600:.2f} virtual h ({c.wall_s:.0f} s, {c.cpu_s:.0f} s CPU)",
-            err=True),
-        on_targets=lambda ts: typer.echo("targets (fixed from sync): " + ", ".join(
-            f"{t['loss']:.4f} at {t['fraction']:.0%}" for t in ts), err=True))
-    m = work.model
-    num_params = num_params_of(TinyGPT(m))
-    model = f"TinyGPT d{m.d_model} L{m.num_layers} heads{m.num_heads} ctx{m.seq_len} " \
-            f"vocab{m.vocab_size}"
+    study = experiment.run_study(paper, cfg, progress=_progress, on_targets=_print_targets)
+    num_params, model = _model_of(cfg)
     data = corpus.describe() if work.data == "text" else {
         "name": f"synthetic Markov language ({work.branching} likely successors)", "bytes": 0}
     out = experiment.summary(

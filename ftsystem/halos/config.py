@@ -80,6 +80,10 @@ class TimeModel:
     """One local step of a speed-1.0 worker."""
     tokens_per_local_step: int
     """Local batch x sequence length of the simulated model, for tokens-to-loss."""
+    link_sharing: bool = False
+    """Concurrent transfers on one link (a region pair, one direction) share its bandwidth
+    equally (``timemodel.SharedLink``). Off: every transfer gets the whole link, as in the
+    authors' simulator."""
 
     @property
     def model_bytes(self) -> int:
@@ -120,6 +124,43 @@ class HalosConfig:
     """Worker updates an LPS applies before it sends its delta to the GPS."""
     merge_alpha: float
     """Weight of the global model when an LPS merges it."""
+    lps_groups: list[list[int]] | None = None
+    """The workers each LPS serves, by worker index, groups of any size within one region;
+    None: consecutive groups of ``workers_per_lps`` (the YAML's). ``lps_groups`` checks it."""
+
+
+def lps_groups(halos: HalosConfig, network: Network) -> list[list[int]]:
+    """The LPS groups of ``halos`` on ``network``: every worker in exactly one group, every
+    group inside one region. Raises ``SetupError`` saying which group is wrong."""
+    n = len(network.speeds)
+    groups = halos.lps_groups or [list(range(i, min(i + halos.workers_per_lps, n)))
+                                  for i in range(0, n, halos.workers_per_lps)]
+    flat = sorted(w for g in groups for w in g)
+    _require(all(groups) and flat == list(range(n)),
+             f"halos: the LPS groups {groups} must be non-empty and hold each of the {n} "
+             "workers exactly once")
+    regions = network.worker_regions
+    for g in groups:
+        spans = sorted({regions[w] for w in g})
+        _require(len(spans) == 1, f"halos: LPS of workers {g} spans regions {spans}; an LPS "
+                 "serves the workers of its own region")
+    return groups
+
+
+def heterogeneous_network(network: Network, counts: list[int]) -> Network:
+    """``network`` with ``counts[r]`` workers in region ``r``.
+
+    Worker ``j`` of region ``r`` gets the ``j mod len``-th of the region's published speeds:
+    fewer workers keep the first ones, more repeat them in order (so a region keeps its own
+    mix of fast and slow workers; the paper gives no speeds for other counts).
+    """
+    _require(len(counts) == network.num_regions and all(c >= 1 for c in counts),
+             f"workers per region {counts}: need one count >= 1 for each of the "
+             f"{network.num_regions} regions")
+    speeds = [[row[j % len(row)] for j in range(c)]
+              for row, c in zip(network.worker_speeds, counts)]
+    return Network(bandwidth_gbps=network.bandwidth_gbps, worker_speeds=speeds,
+                   gps_region=network.gps_region)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -226,10 +267,7 @@ def _build(doc: dict, trace: dict, model: str, step_time_ms: float | None) -> Pa
     halos = _halos(doc["halos"])
     _require(halos.workers_per_lps * doc["halos"]["num_lps"] == len(network.speeds),
              "halos: num_lps x workers_per_lps must equal the number of workers")
-    regions = network.worker_regions
-    for start in range(0, len(regions), halos.workers_per_lps):
-        group = set(regions[start:start + halos.workers_per_lps])
-        _require(len(group) == 1, f"halos: LPS of workers {start}.. spans regions {sorted(group)}")
+    lps_groups(halos, network)
     return PaperSetup(network=network, time_model=_time_model(doc, trace, model, step_time_ms),
                       worker=_worker(doc), halos=halos, diloco=_diloco(doc["diloco"]),
                       async_local_sgd=_async(doc["async_local_sgd"]),

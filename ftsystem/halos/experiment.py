@@ -52,6 +52,10 @@ class Variant:
     """The simulator's method."""
     halos: HalosConfig | None = None
     """HALoS settings replacing the setup's (the ablation), or None."""
+    setup: PaperSetup | None = None
+    """A whole setup replacing the study's (other workers, link sharing; ``studies``), or None."""
+    non_iid: bool | None = None
+    """Replaces the study's ``non_iid`` of the data, or None."""
 
 
 def ablation_variants(setup: PaperSetup) -> list[Variant]:
@@ -96,15 +100,18 @@ class Study:
 
 def _run(task: tuple[PaperSetup, SimConfig, Variant, int]) -> Curve:
     setup, sim, variant, seed = task
+    setup = variant.setup or setup
     if variant.halos is not None:
         setup = replace(setup, halos=variant.halos)
-    sim = replace(sim, workload=replace(sim.workload, seed=seed))
+    non_iid = sim.workload.non_iid if variant.non_iid is None else variant.non_iid
+    sim = replace(sim, workload=replace(sim.workload, seed=seed, non_iid=non_iid))
     curve = simulate(setup, sim, variant.method)
     curve.method = variant.name
     return curve
 
 
-def _run_all(tasks: list, jobs: int, progress: Callable[[Curve, int], None]) -> list[Curve]:
+def run_all(tasks: list, jobs: int, progress: Callable[[Curve, int], None]) -> list[Curve]:
+    """Run ``(setup, sim, variant, seed)`` tasks, ``jobs`` at once; their curves in order."""
     if jobs <= 1:
         return [_keep(progress, _run(t), t[3]) for t in tasks]
     with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
@@ -138,12 +145,12 @@ def run_study(setup: PaperSetup, cfg: StudyConfig,
     variants = [Variant(name=m, method=m) for m in cfg.methods if m != REFERENCE]
     if cfg.ablation and "halos" in cfg.methods:
         variants += ablation_variants(setup)
-    sync = _run_all([(setup, cfg.sim, Variant(name=REFERENCE, method=REFERENCE), s)
+    sync = run_all([(setup, cfg.sim, Variant(name=REFERENCE, method=REFERENCE), s)
                      for s in cfg.seeds], cfg.jobs, progress)
     budget = cfg.sim.total_iters * len(setup.network.speeds)
     targets = reference_targets(sync, budget, TARGET_FRACTIONS)
     on_targets(targets)
-    rest = _run_all([(setup, cfg.sim, v, s) for v in variants for s in cfg.seeds], cfg.jobs,
+    rest = run_all([(setup, cfg.sim, v, s) for v in variants for s in cfg.seeds], cfg.jobs,
                     progress)
     curves = {REFERENCE: sync}
     for i, v in enumerate(variants):
@@ -163,7 +170,8 @@ def steps_to_loss(curve: Curve, loss: float) -> int | None:
     return None if i is None else curve.local_steps[i]
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is missing (a miss) or b is 0."""
     return None if a is None or not b else a / b
 
 
@@ -187,9 +195,9 @@ def at_target(study: Study, names: Sequence[str], loss: float, *, tokens_per_ste
         base_t = [time_to_loss(c, loss) for c in study.curves[base]]
         base_k = [None if s is None else s * tokens_per_step
                   for s in (steps_to_loss(c, loss) for c in study.curves[base])]
-        out["time_vs_" + base] = {n: spread([_ratio(a, b) for a, b in zip(times[n], base_t)])
+        out["time_vs_" + base] = {n: spread([ratio(a, b) for a, b in zip(times[n], base_t)])
                                   for n in names}
-        out["tokens_vs_" + base] = {n: spread([_ratio(a, b) for a, b in zip(tokens[n], base_k)])
+        out["tokens_vs_" + base] = {n: spread([ratio(a, b) for a, b in zip(tokens[n], base_k)])
                                     for n in names}
     return out
 
@@ -277,7 +285,8 @@ def _config(setup: PaperSetup, cfg: StudyConfig, *, tokens_per_step: int) -> dic
                            "local_step_time_s": setup.time_model.local_step_time_s}}
 
 
-def _fmt(stats: dict, scale: float = 1.0, digits: int = 2) -> str:
+def fmt(stats: dict, scale: float = 1.0, digits: int = 2) -> str:
+    """``median [min, max]`` of a ``spread``, divided by ``scale``."""
     if stats["median"] is None:
         return f"- ({stats['reached']} reached)"
     low = "-" if stats["min"] is None else f"{stats['min'] / scale:.{digits}f}"
@@ -294,10 +303,10 @@ def table_rows(out: dict) -> list[list]:
     rows = []
     for t in out["targets"]:
         for m, stats in t["time_to_loss_s"].items():
-            rows.append([m, f"{t['loss']:.4f}", _fmt(stats, 3600, 3),
-                         _fmt(t["ratio_vs_halos"][m]) if m in t["ratio_vs_halos"] else "-",
+            rows.append([m, f"{t['loss']:.4f}", fmt(stats, 3600, 3),
+                         fmt(t["ratio_vs_halos"][m]) if m in t["ratio_vs_halos"] else "-",
                          "1" if m == "halos" else f"{paper[m]:g}" if m in paper else "-",
-                         _fmt(t["tokens_to_loss"][m], 1e6), _fmt(out["final_loss"][m], 1, 4)])
+                         fmt(t["tokens_to_loss"][m], 1e6), fmt(out["final_loss"][m], 1, 4)])
     return rows
 
 
@@ -311,10 +320,10 @@ def ablation_rows(out: dict) -> list[list]:
     for t in out.get("ablation", {}).get("targets", []):
         for v, stats in t["tokens_to_loss"].items():
             key = v.replace("+", "plus_")
-            rows.append([v, f"{t['loss']:.4f}", _fmt(stats, 1e6),
-                         _fmt(t["tokens_vs_+accumulation"][v]),
+            rows.append([v, f"{t['loss']:.4f}", fmt(stats, 1e6),
+                         fmt(t["tokens_vs_+accumulation"][v]),
                          f"{paper[key]:g}" if key in paper else "-",
-                         _fmt(t["time_to_loss_s"][v], 3600, 3)])
+                         fmt(t["time_to_loss_s"][v], 3600, 3)])
     return rows
 
 

@@ -19,7 +19,7 @@ import simpy
 import torch
 
 from ftsystem.halos import rules, timemodel
-from ftsystem.halos.config import PaperSetup
+from ftsystem.halos.config import PaperSetup, lps_groups
 from ftsystem.halos.rules import ServerState
 from ftsystem.halos.workload import CHUNK_SEQUENCES, Workload, WorkloadConfig
 
@@ -57,6 +57,8 @@ class Curve:
     """Local steps absorbed by the judged model at each evaluation."""
     loss: list[float] = field(default_factory=list)
     """Held-out loss at each evaluation."""
+    final_accuracy: float | None = None
+    """Next-character (next-token) accuracy of the final model on the held-out windows."""
     wall_s: float = 0.0
     """Real seconds the simulation took."""
     cpu_s: float = 0.0
@@ -86,6 +88,7 @@ class Run:
         self._applied = 0
         self._eval_every = max(1, self.budget // cfg.eval_points)
         self._next_eval = self._eval_every
+        self._links: dict[tuple[int, int], timemodel.SharedLink] = {}
 
     @property
     def model_bytes(self) -> int:
@@ -93,6 +96,24 @@ class Run:
 
     def gbps(self, a: int, b: int) -> float:
         return self.setup.network.bandwidth_gbps[a][b]
+
+    @property
+    def link_sharing(self) -> bool:
+        return self.setup.time_model.link_sharing
+
+    def move(self, src: int, dst: int) -> Generator:
+        """Move the model from region ``src`` to ``dst`` (``src == dst``: inside a region).
+
+        With link sharing, over the ``(src, dst)`` link shared with the transfers in flight
+        on it; without, at the link's whole bandwidth.
+        """
+        if not self.link_sharing:
+            yield self.env.timeout(timemodel.transfer_s(self.model_bytes, self.gbps(src, dst)))
+            return
+        link = self._links.get((src, dst))
+        if link is None:
+            link = self._links[src, dst] = timemodel.SharedLink(self.env, self.gbps(src, dst))
+        yield link.transfer(self.model_bytes)
 
     def local_steps(self, h: int, dynamic: bool) -> list[int]:
         """Each worker's H, rescaled by its speed for dynamic local updates."""
@@ -134,6 +155,7 @@ class Run:
             self._evaluate(theta)
             self._next_eval = (self._applied // self._eval_every + 1) * self._eval_every
         if finished and not self.done.triggered:
+            self.curve.final_accuracy = self.work.accuracy(theta)
             self.done.succeed()
 
     def _evaluate(self, theta: torch.Tensor) -> None:
@@ -210,14 +232,25 @@ def _diloco(run: Run, *, dynamic: bool) -> Generator:
 def _async_worker(run: Run, worker: int, steps: int, server_region: int,
                   pull: Callable[[int], torch.Tensor],
                   push: Callable[[int, torch.Tensor, int], None]) -> Generator:
-    """An asynchronous worker: fetch its server's model, H local steps, send the pseudo-gradient."""
+    """An asynchronous worker: fetch its server's model, H local steps, send the pseudo-gradient.
+
+    Without link sharing the job is one span of virtual time (``timemodel.async_job_s``); with
+    it, the fetch and the send are transfers on the shared links between the two regions.
+    """
     net, tm = run.setup.network, run.setup.time_model
+    region = net.worker_regions[worker]
+    compute_s = timemodel.compute_s(steps, net.speeds[worker], tm.local_step_time_s)
     job_s = timemodel.async_job_s(
-        model_bytes=run.model_bytes, gbps=run.gbps(server_region, net.worker_regions[worker]),
-        steps=steps, speed=net.speeds[worker], step_time_s=tm.local_step_time_s)
+        model_bytes=run.model_bytes, gbps=run.gbps(server_region, region), steps=steps,
+        speed=net.speeds[worker], step_time_s=tm.local_step_time_s)
     while True:
         grad = run.train(worker, pull(worker), run.claim(steps), steps)
-        yield run.env.timeout(job_s)
+        if run.link_sharing:
+            yield from run.move(server_region, region)
+            yield run.env.timeout(compute_s)
+            yield from run.move(region, server_region)
+        else:
+            yield run.env.timeout(job_s)
         push(worker, grad, steps)
 
 
@@ -241,9 +274,13 @@ class _Halos:
 
     def __init__(self, run: Run) -> None:
         self.run, self.cfg = run, run.setup.halos
-        regions = run.setup.network.worker_regions
-        self.lps_of = [w // self.cfg.workers_per_lps for w in range(run.num_workers)]
-        self.region_of_lps = regions[::self.cfg.workers_per_lps]
+        net = run.setup.network
+        regions, groups = net.worker_regions, lps_groups(self.cfg, net)
+        self.lps_of = [0] * run.num_workers
+        for i, group in enumerate(groups):
+            for w in group:
+                self.lps_of[w] = i
+        self.region_of_lps = [regions[g[0]] for g in groups]
         self.lps = [rules.LpsState.start(run.work.theta0) for _ in self.region_of_lps]
         self.unsent = [0] * len(self.lps)  # local steps absorbed by an LPS since its last send
         self.gps = ServerState.start(run.work.theta0)
@@ -262,14 +299,13 @@ class _Halos:
 
     def _exchange(self, i: int, delta: torch.Tensor, steps: int) -> Generator:
         """LPS ``i`` sends its delta, the GPS applies it and returns the global model."""
-        run = self.run
-        hop_s = timemodel.transfer_s(run.model_bytes,
-                                     run.gbps(self.region_of_lps[i], run.setup.network.gps_region))
-        yield run.env.timeout(hop_s)
+        run, region = self.run, self.region_of_lps[i]
+        gps_region = run.setup.network.gps_region
+        yield from run.move(region, gps_region)
         self.gps = rules.server_apply(self.gps, delta, self.cfg.gps)
         run.record(steps, self.gps.theta)
         global_theta = self.gps.theta
-        yield run.env.timeout(hop_s)
+        yield from run.move(gps_region, region)
         self.lps[i] = rules.lps_merge(self.lps[i], global_theta, self.cfg.merge_alpha)
 
 

@@ -195,3 +195,11 @@ class Workload:
         """Held-out loss of ``theta`` (for ``markov``: averaged over the regions' languages)."""
         load_flat(self.model, theta)
         return sum(float(self.model.loss(ev)) for ev in self._eval) / len(self._eval)
+
+    @torch.no_grad()
+    def accuracy(self, theta: torch.Tensor) -> float:
+        """Share of the held-out windows' next tokens that ``theta`` ranks first."""
+        load_flat(self.model, theta)
+        hits = sum(int((self.model(ev[:, :-1]).argmax(-1) == ev[:, 1:]).sum())
+                   for ev in self._eval)
+        return hits / sum(ev[:, 1:].numel() for ev in self._eval)
