@@ -1,8 +1,10 @@
-"""HALoS in real mode: the GPS, the LPSs and the workers as processes under agents, on loopback.
+"""HALoS in real mode: the GPS, the LPSs and the workers as processes under agents.
 
 The end-to-end tests run what users run (``ftsystem halos run``) against the session's real etcd,
 SIGKILL a node mid-run, and check the summary the launcher builds from the nodes' counters in
-etcd and the agents' failure records. The counter checks themselves are tested without processes.
+etcd and the agents' failure records; a shaped run puts every node in its own network namespace
+with real ``tc`` classes and checks the transfer times they imply. The counter checks, the
+speeds, the shaping plan and the comparison with the simulator are tested without processes.
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ import httpx
 import pytest
 import torch
 
+import dataclasses
+import statistics
+import time
+
 from ftsystem.control import keys
+from ftsystem.halos import compare, shaping
 from ftsystem.halos.config import load_setup
 from ftsystem.halos.gps import GlobalServer
 from ftsystem.halos.node import FINISHED_STATUS, Header, Node, pack, unpack
-from ftsystem.halos.real import Kill, check, node_command, parse_kill
-from ftsystem.halos.realconfig import GPS, RealConfig
+from ftsystem.halos.real import Kill, check, node_command, parse_kill, prometheus_targets, summarize
+from ftsystem.halos.realconfig import GPS, RealConfig, speeds_of_regions
+from ftsystem.launch.netns import IFACE, HostNetwork
 from ftsystem.training.runtime import ReplicaContext
 from ftsystem.control.store import Store
 
@@ -213,3 +221,203 @@ def test_lps_sigkilled_mid_run_resumes_from_its_checkpoint(etcd, job_id, tmp_pat
     assert lps1["pushes"] > restart["pushes"]
     assert summary["gps"]["per_lps"]["lps1"] >= lps1["merges"] > restart["merges"]
     assert summary["lps"]["lps0"]["merges"] == summary["gps"]["per_lps"]["lps0"]
+
+
+# --- speeds, shaping, the simulator comparison: pure ----------------------------------------
+
+def shaped_config(**changes) -> RealConfig:
+    """The paper's speeds and bandwidths for 2 regions x 2 workers, 50 ms steps."""
+    paper, cfg = load_setup(), small_config(local_step_s=0.05, **changes)
+    return dataclasses.replace(
+        cfg, worker_speeds=speeds_of_regions(paper.network.worker_speeds, 2, 2),
+        bandwidth_bps=shaping.scaled_bandwidths(
+            paper.network.bandwidth_gbps, 2, model_bytes=cfg.model_bytes,
+            paper_model_bytes=paper.time_model.model_bytes, step_s=0.05,
+            paper_step_s=paper.time_model.local_step_time_s))
+
+
+def test_speeds_rescale_h_and_the_step_time_and_share_one_schedule():
+    alike = small_config(local_step_s=0.05)
+    assert [alike.local_steps_of(i) for i in range(4)] == [8] * 4
+    assert alike.step_s_of(3) == 0.05 and alike.schedule_position(5) == 5 * 8  # as before
+    paper = load_setup()
+    speeds = speeds_of_regions(paper.network.worker_speeds, 2, 2)
+    # Region 0's first two workers and region 1's: 0.232, 0.907 | 0.574, 0.531, over 0.907.
+    assert speeds == pytest.approx([0.232 / 0.907, 1.0, 0.574 / 0.907, 0.531 / 0.907])
+    cfg = dataclasses.replace(alike, worker_speeds=speeds)
+    assert [cfg.local_steps_of(i) for i in range(4)] == [3, 8, 6, 5]  # ceil(8 * speed)
+    assert cfg.step_s_of(0) == pytest.approx(0.05 * 0.907 / 0.232)
+    # One job of any worker advances the schedule by the mean H, as the simulator's
+    # global iteration does: the fast worker does not run ahead in its learning rate.
+    assert cfg.mean_local_steps == 5.5 and cfg.schedule_position(2) == 11
+    assert cfg.schedule_steps == -(-4 * 2 * 5.5 // 4)
+    assert RealConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="need 4 speeds"):
+        dataclasses.replace(alike, worker_speeds=[1.0, 0.5])
+    with pytest.raises(ValueError, match="do not fit"):
+        speeds_of_regions(paper.network.worker_speeds, 2, 5)
+
+
+def test_bandwidths_scale_so_that_a_transfer_takes_the_papers_share_of_a_step():
+    paper = load_setup()
+    tm = paper.time_model
+    scale = {"model_bytes": 71_552, "paper_model_bytes": tm.model_bytes, "step_s": 0.05,
+             "paper_step_s": tm.local_step_time_s}
+    for gbps in (100.0, 0.537, 0.117):
+        ours = shaping.transfer_s(71_552, shaping.scaled_bps(gbps, **scale)) / 0.05
+        theirs = shaping.transfer_s(tm.model_bytes, gbps * 1e9) / tm.local_step_time_s
+        assert ours == pytest.approx(theirs)  # transfer time in local steps: the paper's
+    assert shaping.scaled_bps(1e-9, **scale) == shaping.MIN_RATE_BPS
+    with pytest.raises(ValueError, match="--step-time"):
+        shaping.scaled_bps(1.0, **scale | {"step_s": 0.0})
+    with pytest.raises(ValueError, match="4 regions, not 5"):
+        shaping.scaled_bandwidths(paper.network.bandwidth_gbps, 5, **scale)
+
+
+def test_shaping_plan_gives_each_pair_that_talks_its_links_rate():
+    cfg = shaped_config()
+    intra0, inter = cfg.bandwidth_bps[0][0], cfg.bandwidth_bps[0][1]
+    assert cfg.bandwidth_bps[1][1] == intra0 and inter < intra0 / 100
+    plan = shaping.egress_plan(cfg)
+    assert plan == {
+        "gps": [("lps0", intra0), ("lps1", inter)],
+        "lps0": [("gps", intra0), ("w0", intra0), ("w1", intra0)],
+        "lps1": [("gps", inter), ("w2", intra0), ("w3", intra0)],
+        "w0": [("lps0", intra0)], "w1": [("lps0", intra0)],
+        "w2": [("lps1", intra0)], "w3": [("lps1", intra0)]}
+    for a, b in (("w0", "w1"), ("w0", "gps"), ("lps0", "lps1"), ("w0", "lps1")):
+        assert shaping.link_bps(cfg, a, b) is None  # never talk: default class
+    three = small_config(num_regions=3, workers_per_region=1, gps_region=2, bandwidth_bps=[
+        [1.0, 2.0, 3.0], [2.0, 4.0, 5.0], [3.0, 5.0, 6.0]])
+    assert shaping.link_bps(three, "lps0", "gps") == 3.0  # [gps_region][r]
+    assert shaping.link_bps(three, "w1", "lps1") == 4.0 == shaping.link_bps(three, "lps1", "w1")
+    with pytest.raises(ValueError, match="no bandwidths"):
+        shaping.egress_plan(small_config())
+
+
+def test_tc_commands_make_one_fixed_rate_class_per_peer_and_an_unshaped_default():
+    commands = shaping.tc_commands("eth0", [("10.1.2.3", 650_307.9), ("10.1.2.4", 1.2e8)])
+    root, default, *peers = commands
+    assert root == ["qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb",
+                    "default", "1"]
+    assert default[default.index("rate") + 1] == shaping.DEFAULT_RATE
+    cls, flt = peers[0], peers[1]
+    assert cls[cls.index("classid") + 1] == "1:10" == flt[flt.index("flowid") + 1]
+    assert cls[cls.index("rate") + 1] == cls[cls.index("ceil") + 1] == "650308bit"
+    assert flt[flt.index("dst") + 1] == "10.1.2.3/32"
+    assert peers[2][peers[2].index("burst") + 1] == "15000"  # 1 ms of 120 Mbit/s
+    assert peers[3][peers[3].index("flowid") + 1] == "1:11"
+
+
+def test_comparison_with_the_simulator_reads_both_curves_alike():
+    real = [[0, 4.0, 0.0], [1, 3.5, 2.0], [2, 3.0, 4.0], [3, 2.8, 6.0], [4, 2.5, 8.0]]
+    out = compare.compare(real, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [4.0, 3.6, 3.1, 2.9, 2.4, 2.3])
+    assert out["updates_compared"] == 4
+    assert out["per_update"]["ratio_median"] == 2.0
+    by_fraction = {t["fraction"]: t for t in out["targets"]}
+    assert by_fraction[0.25]["loss"] == 3.6 and by_fraction[0.25]["real_s"] == 2.0
+    assert by_fraction[1.0]["loss"] == 2.5  # the worse of the two after 4 updates
+    assert by_fraction[1.0]["sim_s"] == 4.0 and by_fraction[1.0]["ratio_real_to_sim"] == 2.0
+    with pytest.raises(ValueError, match="no global update"):
+        compare.compare(real[:1], [0.0], [4.0])
+    with pytest.raises(ValueError, match="--shape"):
+        compare.sim_setup(small_config(), load_setup())
+    sim = compare.sim_setup(shaped_config(), load_setup())
+    assert sim.network.speeds == pytest.approx(shaped_config().worker_speeds)
+    assert sim.time_model.model_bytes == shaped_config().model_bytes
+    assert sim.network.bandwidth_gbps[0][1] == shaped_config().bandwidth_bps[0][1] / 1e9
+
+
+def test_summary_times_the_loss_from_the_start_and_discovery_names_every_endpoint():
+    cfg, stats = small_config(), consistent_stats()
+    stats["gps"]["loss"] = [[0, 4.8, 99.0], [4, 4.6, 112.5]]
+    summary = summarize(cfg, stats, [], kills=[], missed=[],
+                        exit_codes=dict.fromkeys(cfg.node_names(), 0), wall_s=20.0,
+                        launched=90.0, clock=100.0)
+    assert summary["loss_curve_s"] == [[0, 4.8, 0.0], [4, 4.6, 12.5]]
+    assert summary["startup_s"] == 10.0
+    nodes = {keys.halos_node("j", "gps"): json.dumps({"role": "gps", "url": "http://a:1"}),
+             keys.halos_node("j", "w0"): json.dumps({"role": "worker", "metrics": "b:2"})}
+    agents = {keys.agent("j", "w0", 0): json.dumps({"metrics_addr": "c:3"})}
+    assert prometheus_targets("j", nodes, agents) == [
+        {"targets": ["a:1"], "labels": {"job": "j", "component": "gps", "instance_id": "gps"}},
+        {"targets": ["b:2"], "labels": {"job": "j", "component": "worker", "instance_id": "w0"}},
+        {"targets": ["c:3"], "labels": {"job": "j", "component": "agent",
+                                        "instance_id": "w0/00000"}}]
+
+
+# --- shaping for real: namespaces, tc ---------------------------------------------------------
+
+NO_SHAPING = shaping.unsupported()
+
+
+@pytest.mark.skipif(NO_SHAPING is not None, reason=f"no shaping here: {NO_SHAPING}")
+def test_tc_class_shapes_a_tcp_transfer_between_namespaces():
+    """What the plan's commands do: 100 KB from one host to another at 800 kbit/s take 1 s."""
+    size, bps = 100_000, 800_000.0
+    with HostNetwork(2, name=f"s{os.getpid() % 10000}") as net:
+        a, b = net.hosts
+        shaping.apply(a.name, IFACE, [(b.address, bps)])
+        server = subprocess.Popen(b.wrap([sys.executable, "-c", RECEIVER, b.address,
+                                          str(size)]), stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "listening"
+        sent = subprocess.run(a.wrap([sys.executable, "-c", SENDER, b.address, str(size)]),
+                              capture_output=True, text=True, timeout=30, check=True)
+        server.wait(10)
+        elapsed = float(sent.stdout)
+        wire = shaping.class_bytes(a.name, IFACE)["1:10"]
+    assert wire >= size  # it went through the peer's class, headers and all
+    assert 0.9 * shaping.transfer_s(wire, bps) <= elapsed <= 1.5 * shaping.transfer_s(wire, bps)
+
+
+RECEIVER = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 5001)); s.listen(); print("listening", flush=True)
+c, _ = s.accept(); n = 0
+while n < int(sys.argv[2]):
+    n += len(c.recv(65536))
+c.sendall(b"k")
+"""
+SENDER = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 5001)); t = time.perf_counter()
+c.sendall(b"x" * int(sys.argv[2])); c.recv(1); print(time.perf_counter() - t)
+"""
+
+
+@pytest.mark.skipif(NO_SHAPING is not None, reason=f"no shaping here: {NO_SHAPING}")
+def test_shaped_run_at_the_setups_speeds_takes_the_links_time_and_completes(job_id, tmp_path):
+    """Every node in its own namespace, the paper's speeds and scaled bandwidths (lps1 is an
+    inter-region hop of 0.88 s per model transfer, lps0 is beside the GPS), and the simulator."""
+    out = tmp_path
+    cmd = [FTSYSTEM, "halos", "run", "--job", job_id, "--out", str(out), "--json",
+           str(out / "s.json"), "--shape", "--speeds", "setup", "--compare-sim", *RUN_ARGS,
+           "--updates", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "COLUMNS": "120"})
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in out.glob("agent-*.log"))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs}"
+    summary = json.loads((out / "s.json").read_text())
+    assert summary["problems"] == [] and summary["updates"] == 6
+    cfg = RealConfig.from_json(json.dumps(summary["config"]))
+    for i, name in enumerate(cfg.node_names()[3:]):  # each worker ran its own H
+        worker = summary["workers"][name]
+        assert worker["local_steps"] == worker["pushes"] * [3, 8, 6, 5][i] > 0
+    links = {(r["from"], r["to"]): r for r in summary["shaping"]["links"]}
+    hop = links[("lps1", "gps")]["model_transfer_s"]
+    assert hop == links[("gps", "lps1")]["model_transfer_s"] == pytest.approx(0.88, abs=0.01)
+    # An exchange is a model's transfer each way plus the GPS's update: without the update,
+    # the measured round trips of lps1 last what the shaping implies.
+    apply_s = statistics.median(summary["gps"]["apply_s"])
+    far = statistics.median(summary["lps"]["lps1"]["exchange_s"]) - apply_s
+    near = statistics.median(summary["lps"]["lps0"]["exchange_s"]) - apply_s
+    assert 0.9 * 2 * hop <= far <= 1.5 * 2 * hop + 0.2, (far, hop)
+    assert near < 0.25 * far
+    merges = summary["lps"]["lps1"]["merges"]
+    assert links[("lps1", "gps")]["bytes_sent"] >= merges * summary["shaping"]["model_bytes"]
+    times = [t for _, _, t in summary["loss_curve_s"]]
+    assert times == sorted(times) and summary["startup_s"] > 0
+    # The simulator, on the same configuration, times the same updates within a factor 2.
+    sim = summary["simulator"]
+    assert sim["updates_compared"] >= 4
+    assert 0.5 <= sim["per_update"]["ratio_median"] <= 2.0, sim["per_update"]

@@ -208,6 +208,12 @@ def halos_stat(job_id: str, name: str) -> str:
     return halos_stats(job_id) + check_id("halos node", name)
 
 
+def halos_start(job_id: str) -> str:
+    """Written once by the launcher when every node has registered: the workers start then,
+    all at once, and the run's clock starts (its time-to-loss is measured from it)."""
+    return halos(job_id) + "start"
+
+
 def halos_done(job_id: str) -> str:
     """Written once by the GPS when the global-update budget is spent: every node then exits."""
     return halos(job_id) + "done"

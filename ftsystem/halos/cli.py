@@ -295,8 +295,23 @@ def halos_run(
     lr: Annotated[float | None, typer.Option(
         help="The workers' peak AdamW lr (default: the setup's).")] = None,
     step_time: Annotated[float, typer.Option(
-        min=0.0, help="Emulated seconds per local step: a worker's job of H steps lasts at "
-        "least H times this (0: as fast as the CPU goes).")] = 0.0,
+        min=0.0, help="Emulated seconds per local step of a speed-1.0 worker: a worker of "
+        "speed s takes step-time / s per step, its job of H_s steps at least H_s times that "
+        "(0: as fast as the CPU goes).")] = 0.0,
+    speeds: Annotated[str | None, typer.Option(
+        help="Worker speeds: 'setup' (the setup's worker_speeds of the first regions' first "
+        "workers) or one comma-separated speed per worker; H is rescaled to ceil(H * speed "
+        "/ max_speed). Default: all alike.")] = None,
+    shape: Annotated[bool, typer.Option(
+        "--shape", help="Every node in its own network namespace, each link shaped with tc "
+        "htb to the setup's bandwidth scaled to this model and --step-time (root; "
+        "docs/halos.md).")] = False,
+    compare_sim: Annotated[bool, typer.Option(
+        "--compare-sim", help="After a --shape run, simulate the same configuration and add "
+        "the comparison to the summary.")] = False,
+    prometheus_sd: Annotated[Path | None, typer.Option(
+        help="Keep a Prometheus file_sd list of the nodes' and agents' metrics endpoints "
+        "here while the run lasts.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the data and the initial model.")] = 0,
     kill_at: Annotated[list[str] | None, typer.Option(
         help="UPDATE:NODE: SIGKILL NODE (gps, lps0.., w0..) once the GPS has applied UPDATE "
@@ -319,24 +334,67 @@ def halos_run(
     from ftsystem.halos import real
     from ftsystem.control.store import StoreError
 
-    cfg = _real_config(setup, trace, updates=updates, regions=regions, seed=seed, lr=lr,
-                       workers_per_region=workers_per_region, local_steps=local_steps,
-                       accumulation_k=accumulation_k, local_step_s=step_time)
+    from ftsystem.halos import shaping
+    from ftsystem.launch.netns import NetnsError
+
+    if compare_sim and not shape:
+        raise typer.BadParameter("the simulator is compared with a shaped run: add --shape "
+                                 "(and --step-time)", param_hint="--compare-sim")
+    if shape and (why := shaping.unsupported()) is not None:
+        typer.echo(f"error: --shape needs network namespaces and tc htb, and here {why}; run "
+                   "as root on Linux with iproute2 (ip, tc) and the sch_htb module, or leave "
+                   "out --shape", err=True)
+        raise typer.Exit(2)
+    paper, cfg = _real_config(setup, trace, updates=updates, regions=regions, seed=seed, lr=lr,
+                              workers_per_region=workers_per_region, local_steps=local_steps,
+                              accumulation_k=accumulation_k, local_step_s=step_time,
+                              speeds=speeds, shape=shape)
     try:
         kills = [real.parse_kill(k, cfg) for k in kill_at or []]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--kill-at") from e
-    launch = real.LaunchConfig(real=cfg, etcd=etcd, job=_job_id(job), out_dir=out, kills=kills,
-                               deadline_s=deadline, progress=lambda m: typer.echo(m, err=True))
+    try:
+        launch = real.LaunchConfig(real=cfg, etcd=etcd, job=_job_id(job), out_dir=out,
+                                   kills=kills, deadline_s=deadline, netns=shape,
+                                   prometheus_sd=prometheus_sd,
+                                   progress=lambda m: typer.echo(m, err=True))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--etcd") from e
     try:
         summary = real.run(launch)
-    except (StoreError, EtcdNotInstalledError, EtcdStartError, real.RunTimeoutError) as e:
+    except (StoreError, EtcdNotInstalledError, EtcdStartError, real.RunTimeoutError,
+            NetnsError, shaping.ShapingError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     _print_real(summary)
+    if compare_sim:
+        summary["simulator"] = _compare_sim(paper, cfg, summary)
     report.write_json(json_path, summary | {"machine": report.machine()})
     if summary["problems"]:
         raise typer.Exit(1)
+
+
+def _compare_sim(paper: PaperSetup, cfg, summary: dict) -> dict:
+    """Simulate the run's configuration; the comparison, also printed."""
+    import torch
+
+    from ftsystem.halos import compare
+    from ftsystem.measure import report
+
+    torch.set_num_threads(1)
+    steps = sum(w.get("local_steps", 0) for w in summary["workers"].values())
+    curve = compare.simulate(cfg, paper, steps)
+    out = compare.compare(summary["loss_curve_s"], curve.time_s, curve.loss)
+    out |= {"budget_local_steps": steps, "sim_updates": len(curve.time_s) - 1,
+            "sim_wall_s": round(curve.wall_s, 1)}
+    report.print_table("halos run vs the simulator: time to the GPS model's loss",
+                       ["after updates", "loss", "real s", "simulated s", "real / sim"],
+                       [[t["update"], t["loss"], t["real_s"], t["sim_s"], t["ratio_real_to_sim"]]
+                        for t in out["targets"]])
+    per = out["per_update"]
+    typer.echo(f"per global update, wall / virtual time: median {per['ratio_median']} "
+               f"[{per['ratio_min']}, {per['ratio_max']}] over {out['updates_compared']} updates")
+    return out
 
 
 def _job_id(job: str) -> str:
@@ -348,22 +406,49 @@ def _job_id(job: str) -> str:
         raise typer.BadParameter(str(e), param_hint="--job") from e
 
 
-def _real_config(setup: Path, trace: Path, *, lr: float | None, seed: int, **shape):
-    """The paper's hyperparameters with the run's shape; a user's mistake exits with its reason."""
+def _real_config(setup: Path, trace: Path, *, lr: float | None, seed: int, speeds: str | None,
+                 shape: bool, **layout):
+    """The paper's setup, and its hyperparameters with the run's layout, speeds and scaled
+    bandwidths; a user's mistake exits with its reason."""
+    import dataclasses
+
+    from ftsystem.halos import shaping
     from ftsystem.halos.config import load_setup
-    from ftsystem.halos.realconfig import RealConfig
+    from ftsystem.halos.realconfig import RealConfig, speeds_of_regions
     from ftsystem.halos.workload import WorkloadConfig
 
     try:
         paper = load_setup(setup, trace=trace)
         if lr is not None:
             paper.worker.lr = lr
-        return RealConfig.from_setup(paper, workload=WorkloadConfig(seed=seed),
-                                     num_regions=shape.pop("regions"),
-                                     num_updates=shape.pop("updates"), **shape)
+        cfg = RealConfig.from_setup(paper, workload=WorkloadConfig(seed=seed),
+                                    num_regions=layout.pop("regions"),
+                                    num_updates=layout.pop("updates"), **layout)
+        if speeds == "setup":
+            speeds_list = speeds_of_regions(paper.network.worker_speeds, cfg.num_regions,
+                                            cfg.workers_per_region)
+        elif speeds:
+            speeds_list = _floats(speeds)
+        else:
+            speeds_list = []
+        bandwidths = shaping.scaled_bandwidths(
+            paper.network.bandwidth_gbps, cfg.num_regions, model_bytes=cfg.model_bytes,
+            paper_model_bytes=paper.time_model.model_bytes, step_s=cfg.local_step_s,
+            paper_step_s=paper.time_model.local_step_time_s) if shape else []
+        return paper, dataclasses.replace(cfg, worker_speeds=speeds_list,
+                                          bandwidth_bps=bandwidths,
+                                          gps_region=paper.network.gps_region)
     except (SetupError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--speeds {text!r}: give 'setup' or one number per worker, e.g. "
+                         "1,0.5,0.25,1") from None
 
 
 def _print_real(summary: dict) -> None:
@@ -377,8 +462,14 @@ def _print_real(summary: dict) -> None:
     report.print_table("halos run: nodes", ["node", "restarts", "global updates", "pushes",
                                             "merges", "by sender"], rows)
     initial, final = summary["initial_loss"], summary["final_loss"]
+    if "shaping" in summary:
+        report.print_table("halos run: shaped links", ["from", "to", "kbit/s",
+                                                       "model transfer s", "bytes sent"],
+                           [[r["from"], r["to"], round(r["bps"] / 1e3, 1), r["model_transfer_s"],
+                             r["bytes_sent"]] for r in summary["shaping"]["links"]])
     typer.echo(f"{summary['updates']}/{summary['num_updates']} global updates in "
-               f"{summary['wall_s']:.1f} s; held-out loss {initial:.4f} -> {final:.4f}; "
+               f"{summary['wall_s']:.1f} s (started after {summary['startup_s']} s); "
+               f"held-out loss {initial:.4f} -> {final:.4f}; "
                f"kills {len(summary['kills'])}; "
                f"{'consistent' if not summary['problems'] else 'PROBLEMS: '}"
                + "; ".join(summary["problems"]))

@@ -134,6 +134,7 @@ class GlobalServer:
 
     def _apply(self, lps: str, tag: list[int], delta: torch.Tensor) -> bool:
         """Apply one delta; True if it was the last of the budget."""
+        started = time.perf_counter()
         self.state = rules.server_apply(self.state, delta, self.cfg.gps)
         stats = self.node.stats
         stats["updates"] += 1
@@ -142,6 +143,9 @@ class GlobalServer:
         self.finished = self.updates >= self.cfg.num_updates
         loss = self._evaluate()
         self._save()
+        # The server's share of an LPS's round trip (update, held-out loss, checkpoint), which
+        # the simulator's time model does not charge.
+        stats.setdefault("apply_s", []).append(round(time.perf_counter() - started, 4))
         self.node.changed(self.updates)
         metrics.HALOS_UPDATES.labels(self.node.job, GPS).inc()
         metrics.HALOS_GLOBAL_UPDATES.labels(self.node.job).set(self.updates)

@@ -198,13 +198,15 @@ class LocalServer:
         self.version += 1
         self.in_flight = None
         self._save()
+        elapsed = time.perf_counter() - started
         self.stats["merges"] += 1
+        # Each round trip, to compare with what the link's shaping implies (tests, the docs).
+        self.stats.setdefault("exchange_s", []).append(round(elapsed, 4))
         self.node.changed()
         metrics.HALOS_MERGES.labels(self.node.job, self.node.name).inc()
-        metrics.HALOS_EXCHANGE.labels(self.node.job, self.node.name).observe(
-            time.perf_counter() - started)
+        metrics.HALOS_EXCHANGE.labels(self.node.job, self.node.name).observe(elapsed)
         log.info("merged global model %s (exchange %.3f s)", reply.headers[Header.VERSION],
-                 time.perf_counter() - started)
+                 elapsed)
         await self.node.flush()
         if reply.headers.get(Header.FINISHED) == "1":
             self.finish("this LPS's delta spent the global budget")

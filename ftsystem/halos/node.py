@@ -9,7 +9,8 @@ agent's lease. Through :class:`Node` it
 - registers its address under ``keys.halos_node``, bound to the agent's lease: the agent revokes
   the lease the moment the process exits, so a dead node's address disappears at once;
 - finds its peers there, and keeps asking while a peer restarts (:meth:`Node.request`);
-- learns that the run is over from ``keys.halos_done``, which the GPS writes once.
+- learns that the run has started from ``keys.halos_start`` (the launcher writes it once every
+  node is registered) and that it is over from ``keys.halos_done``, which the GPS writes once.
 
 Tensors travel as ``torch.save`` bytes in HTTP bodies; metadata in ``x-halos-*`` headers.
 """
@@ -152,7 +153,14 @@ class Node:
 
     async def wait_done(self) -> None:
         """Return when the GPS has declared the run over."""
-        key = keys.halos_done(self.job)
+        await self._wait_key(keys.halos_done(self.job))
+
+    async def wait_started(self) -> None:
+        """Return once the launcher has seen every node registered (at once for a node
+        restarted later)."""
+        await self._wait_key(keys.halos_start(self.job))
+
+    async def _wait_key(self, key: str) -> None:
         items, revision = await self.store.get_prefix(key)
         if key in items:
             return

@@ -2,10 +2,13 @@
 
 Starts etcd (embedded unless one is given), writes the run's ``RealConfig``, and starts one
 ``ftsystem agent`` per node (the GPS, one LPS per region, the workers), each supervising
-``python -m ftsystem.halos.<role>`` and restarting it with backoff when it dies. ``--kill-at
-UPDATE:NODE`` SIGKILLs a node's process once the GPS has applied UPDATE global updates. When
-every agent has exited, the counters the nodes left in etcd and the agents' failure records make
-the summary, which :func:`check` tests for consistency.
+``python -m ftsystem.halos.<role>`` and restarting it with backoff when it dies. With
+``LaunchConfig.netns`` every agent (and so its node) runs in its own network namespace, and
+when the config has bandwidths each namespace's egress is shaped (``shaping``). Once every node
+has registered the launcher writes ``keys.halos_start``: the workers start then, and the run's
+clock with them. ``--kill-at UPDATE:NODE`` SIGKILLs a node's process once the GPS has applied
+UPDATE global updates. When every agent has exited, the counters the nodes left in etcd and the
+agents' failure records make the summary, which :func:`check` tests for consistency.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from pathlib import Path
 
 from ftsystem.control import keys
 from ftsystem.control.etcd_server import EmbeddedEtcd
+from ftsystem.halos import shaping
 from ftsystem.halos.realconfig import GPS, RealConfig, lps_name, worker_name
 from ftsystem.launch.launcher import ProcessGroup
+from ftsystem.launch.netns import IFACE, Host, HostNetwork
 from ftsystem.control.store import Store
 from ftsystem.control.tokens import ENV_TOKEN
 
@@ -80,6 +85,21 @@ class LaunchConfig:
     """Restarts per node before its agent gives up."""
     progress: Callable[[str], None] = lambda _: None
     """Told about each global update and each kill."""
+    netns: bool = False
+    """Run every node in its own network namespace (root, ``ip``): needed to shape the links
+    (``real.bandwidth_bps``). The embedded etcd then listens on the namespaces' bridge."""
+    prometheus_sd: Path | None = None
+    """Keep a Prometheus file-discovery list of the run's metrics endpoints here (the nodes
+    and their agents), rewritten as they come and go (``file_sd_configs``)."""
+
+    def __post_init__(self) -> None:
+        if self.real.bandwidth_bps and not self.netns:
+            raise ValueError("shaped links need every node in its own network namespace "
+                             "(netns=True)")
+        if self.netns and self.etcd and _is_loopback(self.etcd):
+            raise ValueError(f"etcd at {self.etcd} is on loopback, which the nodes' network "
+                             "namespaces cannot reach: leave out --etcd (an embedded etcd "
+                             "listens on their bridge) or give an address they reach")
 
 
 def node_command(name: str) -> list[str]:
@@ -92,10 +112,14 @@ def node_command(name: str) -> list[str]:
     raise ValueError(f"no HALoS node is called {name!r}")
 
 
-def agent_command(cfg: LaunchConfig, etcd: str, name: str) -> list[str]:
-    return [sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd, "--job", cfg.job,
-            "--replica-id", name, "--timeout", str(cfg.agent_timeout_s), "--max-restarts",
-            str(cfg.max_restarts), "--", *node_command(name)]
+def agent_command(cfg: LaunchConfig, etcd: str, name: str, host: Host | None = None
+                  ) -> list[str]:
+    """The ``ftsystem agent`` that runs node ``name`` (inside ``host`` if given)."""
+    where = ["--host", host.address, "--node-id", host.name] if host else []
+    cmd = [sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd, "--job", cfg.job,
+           "--replica-id", name, "--timeout", str(cfg.agent_timeout_s), "--max-restarts",
+           str(cfg.max_restarts), *where, "--", *node_command(name)]
+    return host.wrap(cmd) if host else cmd
 
 
 def run(cfg: LaunchConfig) -> dict:
@@ -107,29 +131,83 @@ def run(cfg: LaunchConfig) -> dict:
         old.unlink()
     real = dataclasses.replace(cfg.real, state_dir=str(state_dir.resolve()))
     procs = ProcessGroup(cfg.out_dir)
-    with _etcd(cfg.etcd, cfg.out_dir / "etcd") as etcd:
+    with _hosts(cfg, real) as hosts, _etcd(cfg.etcd, cfg.out_dir / "etcd", hosts) as etcd:
+        links = _shape(real, hosts) if real.bandwidth_bps else []
         asyncio.run(_prepare(etcd, cfg.job, real))
         started = time.time()
         # The agents are closed by default: they need the job's token to start their nodes.
         env = os.environ | {ENV_TOKEN: secrets.token_hex(16)}
         try:
-            agents = {name: procs.start(f"agent-{name}", agent_command(cfg, etcd, name), env)
+            agents = {name: procs.start(f"agent-{name}",
+                                        agent_command(cfg, etcd, name, hosts.get(name)), env)
                       for name in real.node_names()}
             summary = asyncio.run(_watch(etcd, cfg, real, agents, started))
         finally:
             procs.stop_all()
+        if links:
+            summary["shaping"] = _shaping_summary(real, hosts, links)
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
+_networks = 0
+
+
 @contextlib.contextmanager
-def _etcd(url: str | None, data_dir: Path) -> Iterator[str]:
-    """The given endpoints, or an embedded etcd's for the duration of the block."""
+def _hosts(cfg: LaunchConfig, real: RealConfig) -> Iterator[dict[str, Host]]:
+    """Each node's network namespace (``cfg.netns``), or none: everything in this one."""
+    if not cfg.netns:
+        yield {}
+        return
+    global _networks
+    _networks += 1  # a name per run: a deleted namespace's veth can linger a while
+    names = real.node_names()
+    with HostNetwork(len(names), name=f"h{os.getpid() % 10000}n{_networks % 100}") as net:
+        yield dict(zip(names, net.hosts))
+
+
+@contextlib.contextmanager
+def _etcd(url: str | None, data_dir: Path, hosts: dict[str, Host]) -> Iterator[str]:
+    """The given endpoints, or an embedded etcd's for the duration of the block (on the
+    namespaces' bridge when the nodes run in namespaces)."""
     if url:
         yield url
         return
-    with EmbeddedEtcd(data_dir=data_dir) as etcd:
+    host = next(iter(hosts.values())).gateway if hosts else "127.0.0.1"
+    with EmbeddedEtcd(data_dir=data_dir, host=host) as etcd:
         yield etcd.url
+
+
+def _is_loopback(url: str) -> bool:
+    return any(h.partition("//")[2].split(":")[0] in ("127.0.0.1", "localhost", "[::1]")
+               for h in url.split(","))
+
+
+def _shape(real: RealConfig, hosts: dict[str, Host]) -> list[tuple[str, str, float]]:
+    """Shape every node's egress to its peers; the (sender, receiver, bit/s) of each."""
+    links = []
+    for name, peers in shaping.egress_plan(real).items():
+        host = hosts[name]
+        shaping.apply(host.name, IFACE, [(hosts[peer].address, bps) for peer, bps in peers])
+        links += [(name, peer, bps) for peer, bps in peers]
+    return links
+
+
+def _shaping_summary(real: RealConfig, hosts: dict[str, Host],
+                     links: list[tuple[str, str, float]]) -> dict:
+    """The shaped links with what a model transfer costs on each, and the bytes each class
+    carried (read before the namespaces go)."""
+    model_bytes = real.model_bytes
+    sent = {name: shaping.class_bytes(host.name, IFACE) for name, host in hosts.items()}
+    by_sender: dict[str, int] = {}
+    rows = []
+    for sender, receiver, bps in links:
+        k = by_sender[sender] = by_sender.get(sender, -1) + 1
+        rows.append({"from": sender, "to": receiver, "bps": round(bps, 1),
+                     "model_transfer_s": round(shaping.transfer_s(model_bytes, bps), 6),
+                     "bytes_sent": sent[sender].get(f"1:{shaping.FIRST_PEER_CLASS + k}")})
+    return {"model_bytes": model_bytes, "links": rows,
+            "unshaped_bytes": {n: s.get(f"1:{shaping.DEFAULT_CLASS}") for n, s in sent.items()}}
 
 
 async def _prepare(etcd: str, job: str, real: RealConfig) -> None:
@@ -140,13 +218,25 @@ async def _prepare(etcd: str, job: str, real: RealConfig) -> None:
 
 async def _watch(etcd: str, cfg: LaunchConfig, real: RealConfig, agents: dict, started: float
                  ) -> dict:
-    """Follow the run, inject the kills, and summarize once every agent has exited."""
+    """Follow the run, start it once every node is registered, inject the kills, keep the
+    Prometheus discovery file, and summarize once every agent has exited."""
     pending, done_kills, last = sorted(cfg.kills, key=lambda k: k.at_update), [], -1
+    clock, targets = None, None
     async with Store(etcd) as store:
         while any(a.poll() is None for a in agents.values()):
             if time.time() - started > cfg.deadline_s:
                 raise RunTimeoutError(f"the run did not end within {cfg.deadline_s:.0f} s; see "
                                       f"the agents' logs in {cfg.out_dir}")
+            if clock is None or cfg.prometheus_sd:
+                registered = (await store.get_prefix(keys.halos_nodes(cfg.job)))[0]
+                if clock is None and len(registered) == len(real.node_names()):
+                    clock = time.time()
+                    await store.put_json(keys.halos_start(cfg.job), {"time": clock})
+                    cfg.progress(f"every node is up after {clock - started:.1f} s: started")
+                if cfg.prometheus_sd:
+                    agent_items = (await store.get_prefix(keys.agents(cfg.job)))[0]
+                    targets = _write_targets(cfg.prometheus_sd, targets, prometheus_targets(
+                        cfg.job, registered, agent_items))
             gps = await store.get_json(keys.halos_stat(cfg.job, GPS)) or {}
             updates = gps.get("updates", 0)
             if updates != last and gps.get("loss"):
@@ -168,7 +258,38 @@ async def _watch(etcd: str, cfg: LaunchConfig, real: RealConfig, agents: dict, s
     return summarize(real, stats, _failure_records(cfg.job, failures), kills=done_kills,
                      missed=[str(k) for k in pending],
                      exit_codes={n: a.returncode for n, a in agents.items()},
-                     wall_s=time.time() - started)
+                     wall_s=time.time() - started, launched=started, clock=clock)
+
+
+def prometheus_targets(job: str, nodes: dict[str, bytes], agents: dict[str, bytes]
+                       ) -> list[dict]:
+    """Pure: Prometheus file-discovery groups for the nodes' and their agents' endpoints.
+
+    Labelled like the controller's discovery of an FT-HSDP job (``job``, ``component``,
+    ``instance_id``), so the same scrape config (``honor_labels: true``) serves both."""
+    groups = []
+    for key, value in sorted(nodes.items()):
+        record = json.loads(value)
+        addr = record.get("metrics") or record.get("url", "").removeprefix("http://")
+        if addr:
+            groups.append({"targets": [addr], "labels": {
+                "job": job, "component": record.get("role", "halos"),
+                "instance_id": keys.last_segment(key)}})
+    for key, value in sorted(agents.items()):
+        addr = json.loads(value).get("metrics_addr")
+        if addr:
+            groups.append({"targets": [addr], "labels": {
+                "job": job, "component": "agent", "instance_id": key[len(keys.agents(job)):]}})
+    return groups
+
+
+def _write_targets(path: Path, previous: list[dict] | None, groups: list[dict]) -> list[dict]:
+    """Replace the discovery file when its groups changed (atomically: Prometheus watches it)."""
+    if groups != previous:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups, indent=1))
+        os.replace(tmp, path)
+    return groups
 
 
 async def _kill(store: Store, job: str, kill: Kill, updates: int) -> dict | None:
@@ -196,8 +317,11 @@ def _failure_records(job: str, items: dict[str, bytes]) -> list[dict]:
 
 def summarize(real: RealConfig, stats: dict[str, dict], failures: list[dict], *,
               kills: list[dict], missed: list[str], exit_codes: dict[str, int | None],
-              wall_s: float) -> dict:
-    """Pure: the run's summary from the nodes' counters and the agents' failure records."""
+              wall_s: float, launched: float = 0.0, clock: float | None = None) -> dict:
+    """Pure: the run's summary from the nodes' counters and the agents' failure records.
+
+    ``clock`` is when the run started (every node up, ``keys.halos_start``): the loss curve's
+    seconds count from it (the initial model's evaluation, before it, at 0)."""
     loss = stats.get(GPS, {}).get("loss", [])
     restarts = Counter(f["node"] for f in failures)
     summary = {
@@ -206,6 +330,9 @@ def summarize(real: RealConfig, stats: dict[str, dict], failures: list[dict], *,
         "initial_loss": loss[0][1] if loss else None,
         "final_loss": loss[-1][1] if loss else None,
         "loss_curve": [[u, v] for u, v, _ in loss],
+        "loss_curve_s": [[u, v, round(max(0.0, t - clock), 3)] for u, v, t in loss]
+        if clock is not None else [],
+        "startup_s": round(clock - launched, 2) if clock is not None else None,
         "restarts": {name: restarts[name] for name in real.node_names()},
         "failures": failures,
         "kills": kills,

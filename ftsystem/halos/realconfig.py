@@ -4,6 +4,12 @@ The launcher writes one ``RealConfig`` as JSON to ``keys.halos_config(job)``; th
 the workers read it at start, so their command lines carry only who they are. The hyperparameters
 come from the paper's setup (``config.load_setup``), the shape (regions, workers, budget) from the
 command line.
+
+Two optional parts make a run heterogeneous like the paper's setup: ``worker_speeds`` (each
+worker's speed, its H rescaled and its emulated step time stretched by it) and
+``bandwidth_bps`` (the region x region bandwidths that ``shaping`` enforces with ``tc`` when every
+node runs in its own network namespace). Left empty, every worker runs alike and nothing is
+shaped.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ftsystem.halos.config import DelayedNesterovConfig, PaperSetup, WorkerOptimizer
+from ftsystem.halos import rules
 from ftsystem.halos.rules import warmup_cosine_lr
 from ftsystem.halos.workload import WorkloadConfig
 from ftsystem.example.workload import ModelConfig
@@ -29,6 +36,20 @@ def worker_name(index: int) -> str:
     return f"w{index}"
 
 
+def speeds_of_regions(worker_speeds: list[list[float]], num_regions: int,
+                      workers_per_region: int) -> list[float]:
+    """The paper's per-region speeds for a run of ``num_regions x workers_per_region``: the
+    first workers of the setup's first regions, normalized to the fastest of them (1.0)."""
+    if num_regions > len(worker_speeds) or any(
+            workers_per_region > len(row) for row in worker_speeds[:num_regions]):
+        raise ValueError(f"the setup has {len(worker_speeds)} regions of "
+                         f"{[len(r) for r in worker_speeds]} workers: {num_regions} x "
+                         f"{workers_per_region} do not fit; use fewer regions or workers, or "
+                         "leave the speeds out (all alike)")
+    chosen = [s for row in worker_speeds[:num_regions] for s in row[:workers_per_region]]
+    return [s / max(chosen) for s in chosen]
+
+
 @dataclass(kw_only=True, slots=True)
 class RealConfig:
     """One real-mode run: its shape, its budget, the HALoS hyperparameters, the workload."""
@@ -40,7 +61,8 @@ class RealConfig:
     num_updates: int = 16
     """Global updates (LPS deltas applied by the GPS) after which the run ends."""
     local_steps: int
-    """H: local AdamW steps per worker job (no speed rescaling: the workers here are alike)."""
+    """H: local AdamW steps per job of a speed-1.0 worker; a slower worker's H is rescaled to
+    ``ceil(H * speed / max_speed)`` (dynamic local updates, ``local_steps_of``)."""
     accumulation_k: int
     """Worker updates an LPS applies before it sends its delta to the GPS."""
     merge_alpha: float
@@ -54,9 +76,21 @@ class RealConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     """The small model and data, as in the simulator."""
     local_step_s: float = 0.0
-    """Emulated duration of one local step: a worker's job of H steps lasts at least H times
-    this (the CPU step of the small model is padded with a sleep), as on a slower accelerator.
-    0: as fast as the CPU goes."""
+    """Emulated duration of one local step of a speed-1.0 worker: a worker of speed ``s`` takes
+    ``local_step_s / s`` per step, and its job of ``H_s`` steps lasts at least ``H_s`` times that
+    (the CPU step of the small model is padded with a sleep), as on a slower accelerator.
+    0: as fast as the CPU goes (speeds then only rescale H)."""
+    worker_speeds: list[float] = field(default_factory=list)
+    """Each worker's speed relative to the fastest of the run (1.0), in worker order; empty:
+    every worker at 1.0, the same H and step time for all. ``speeds_of_regions`` takes them
+    from the paper's setup (``worker_speeds``, per region)."""
+    bandwidth_bps: list[list[float]] = field(default_factory=list)
+    """Region x region link bandwidth in bit/s (the diagonal: inside a region), already scaled
+    to this run's model and step time (``shaping.scaled_bandwidths``); a worker talks to its
+    LPS at its region's diagonal entry, LPS ``r`` to the GPS at ``[gps_region][r]``. Empty:
+    unshaped (loopback, or namespaces without ``tc``)."""
+    gps_region: int = 0
+    """The region the GPS runs in (the paper's setup: region 0)."""
     peer_wait_s: float = 120.0
     """How long a node waits for a peer (its LPS, the GPS) to come (back) before it gives up;
     long enough for a restart with backoff and a cold ``import torch`` on a loaded machine."""
@@ -74,6 +108,17 @@ class RealConfig:
             raise ValueError(f"local step time {self.local_step_s} must be >= 0")
         if not 0 <= self.merge_alpha <= 1:
             raise ValueError(f"merge alpha {self.merge_alpha} must lie in [0, 1]")
+        if self.worker_speeds and (len(self.worker_speeds) != self.num_workers
+                                   or min(self.worker_speeds) <= 0):
+            raise ValueError(f"worker speeds {self.worker_speeds}: need {self.num_workers} "
+                             "speeds > 0, one per worker")
+        n = self.num_regions
+        if self.bandwidth_bps and (len(self.bandwidth_bps) != n
+                                   or any(len(row) != n for row in self.bandwidth_bps)
+                                   or min(map(min, self.bandwidth_bps)) <= 0):
+            raise ValueError(f"bandwidths: need a {n} x {n} matrix of rates > 0 (bit/s)")
+        if not 0 <= self.gps_region < n:
+            raise ValueError(f"GPS region {self.gps_region}: the run has regions 0..{n - 1}")
 
     @classmethod
     def from_setup(cls, setup: PaperSetup, **overrides) -> RealConfig:
@@ -90,6 +135,13 @@ class RealConfig:
         return self.num_regions * self.workers_per_region
 
     @property
+    def model_bytes(self) -> int:
+        """The model's fp32 bytes: what a transfer carries (the wire format adds about 1 KB)."""
+        from ftsystem.example.workload import TinyGPT, num_params  # torch: only when asked
+
+        return 4 * num_params(TinyGPT(self.workload.model))
+
+    @property
     def worker_regions(self) -> list[int]:
         """Region of each worker, in worker order (what ``Workload`` takes)."""
         return [i // self.workers_per_region for i in range(self.num_workers)]
@@ -99,17 +151,46 @@ class RealConfig:
         return [GPS, *map(lps_name, range(self.num_regions)),
                 *map(worker_name, range(self.num_workers))]
 
+    def speed_of(self, index: int) -> float:
+        """Worker ``index``'s speed relative to the fastest (1.0 when all are alike)."""
+        return self.worker_speeds[index] / max(self.worker_speeds) if self.worker_speeds else 1.0
+
+    def local_steps_of(self, index: int) -> int:
+        """Worker ``index``'s H: ``ceil(H * speed / max_speed)`` (the paper's dynamic local
+        updates), H itself when all are alike."""
+        return rules.scaled_local_steps(self.local_steps, self.speed_of(index), 1.0)
+
+    def step_s_of(self, index: int) -> float:
+        """Worker ``index``'s emulated seconds per local step: ``local_step_s / speed``."""
+        return self.local_step_s / self.speed_of(index)
+
+    @property
+    def mean_local_steps(self) -> float:
+        """The workers' mean H: one job of each advances the schedule by this much per worker."""
+        return sum(map(self.local_steps_of, range(self.num_workers))) / self.num_workers
+
+    def schedule_position(self, pushes: int) -> int:
+        """Where in the lr schedule a worker's job starts after ``pushes`` acknowledged jobs.
+
+        As in the simulator (and the authors'), the schedule follows the work handed out in
+        all: a job advances it by the mean H whatever the worker's own H, so a fast worker
+        does not run ahead of a slow one. With equal speeds this is the worker's own steps.
+        """
+        return round(pushes * self.mean_local_steps)
+
     @property
     def schedule_steps(self) -> int:
         """Local steps per worker the run is expected to take: the length of the lr schedule.
 
-        Each global update costs K worker jobs of H steps at one LPS, spread over all workers.
+        Each global update costs K worker jobs (of mean H steps) at one LPS, spread over all
+        workers.
         """
-        return math.ceil(self.num_updates * self.accumulation_k * self.local_steps
+        return math.ceil(self.num_updates * self.accumulation_k * self.mean_local_steps
                          / self.num_workers)
 
     def lrs(self, first_step: int, steps: int) -> list[float]:
-        """The learning rates of a worker's local steps ``first_step .. first_step+steps-1``.
+        """The learning rates of local steps ``first_step .. first_step+steps-1`` of the
+        schedule (``schedule_position`` gives a job's first).
 
         The schedule is stepped before each step (as the authors' worker does): step ``k``
         runs at schedule position ``k + 1``, so no step runs at the warmup's lr of 0.

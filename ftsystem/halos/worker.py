@@ -1,6 +1,7 @@
 """A HALoS worker as a process: ``python -m ftsystem.halos.worker --worker I``.
 
-It fetches its region's LPS model, runs H local AdamW steps on the small model of
+It fetches its region's LPS model, runs its H local AdamW steps (H rescaled by its speed, each
+step padded to ``local_step_s / speed``) on the small model of
 ``halos.workload`` (``rules.local_sgd`` through ``Workload.train``), pushes the pseudo-gradient and
 continues from the model the LPS answers with, until the LPS says the run is over. A restarted
 worker fetches the LPS's current model, continues its learning-rate schedule and its data stream
@@ -33,13 +34,18 @@ class Worker:
         self.work = Workload(cfg.workload, cfg.worker_regions, cfg.worker)
         self.client = http_client(cfg)
         self.seq = 0
+        self.h = cfg.local_steps_of(index)
+        """This worker's H, rescaled by its speed."""
+        self.job_s = self.h * cfg.step_s_of(index)
+        """The emulated compute time of one job: H steps at this worker's speed."""
         for counter in ("pushes", "local_steps"):
             node.stats.setdefault(counter, 0)
         # Skip the batches earlier generations consumed: each batch is read once.
         self.work.batches(index, node.stats["local_steps"])
 
     async def run(self) -> None:
-        """Train and push until the run is over."""
+        """Train and push until the run is over (from the run's start: every node is up)."""
+        await self.node.wait_started()
         reply = await self.node.request(self.client, self.lps, "GET", "/model")
         if reply is not None:
             await self._started(reply)
@@ -61,12 +67,12 @@ class Worker:
 
     async def _round(self, model: httpx.Response) -> httpx.Response | None:
         """H local steps from the LPS model in ``model``; push; the LPS's answer (None: over)."""
-        stats, h = self.node.stats, self.cfg.local_steps
+        stats, h = self.node.stats, self.h
         started = time.perf_counter()
         # Blocking compute in the loop is fine: this process has nothing else to serve.
-        grad, losses = self.work.train(self.index, unpack(model.content),
-                                       self.cfg.lrs(stats["local_steps"], h))
-        await asyncio.sleep(max(0.0, h * self.cfg.local_step_s - (time.perf_counter() - started)))
+        lrs = self.cfg.lrs(self.cfg.schedule_position(stats["pushes"]), h)
+        grad, losses = self.work.train(self.index, unpack(model.content), lrs)
+        await asyncio.sleep(max(0.0, self.job_s - (time.perf_counter() - started)))
         self.seq += 1
         base = f"{model.headers[Header.GENERATION]}:{model.headers[Header.VERSION]}"
         headers = self.node.sender_headers(self.seq) | {Header.BASE: base}
