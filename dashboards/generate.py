@@ -98,9 +98,10 @@ def mean(metric: str, selector: str, by: str) -> Dataquery:
                  f"sum by ({by}) ({metric}_count{{{selector}}})", f"{{{{{by}}}}}")
 
 
-def job_variable() -> QueryVariable:
+def job_variable(metric: str = "ftsystem_epoch") -> QueryVariable:
+    """The job, among those that export ``metric`` (HALoS jobs have no membership epoch)."""
     return (QueryVariable("job").label("Job").datasource(DATASOURCE)
-            .query("label_values(ftsystem_epoch, job)")
+            .query(f"label_values({metric}, job)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))
 
 
@@ -289,8 +290,75 @@ def catch_up() -> Dashboard:
     ])
 
 
+def halos() -> Dashboard:
+    lps = f'{JOB}, server=~"lps.*"'
+    return dashboard("ftsystem-halos", "ftsystem / HALoS",
+                     "A HALoS run in real mode (ftsystem halos run): the global model, the local "
+                     "parameter servers and their exchanges with the GPS, the workers.",
+                     [job_variable("ftsystem_halos_global_updates")], [
+        ("Global model", [
+            stat("Global updates", "LPS deltas the GPS has applied.",
+                 f"max(ftsystem_halos_global_updates{{{JOB}}})"),
+            stat("Held-out loss", "Held-out loss of the global model after its last update.",
+                 f"min(ftsystem_halos_global_loss{{{JOB}}})"),
+            stat("Merges", "Global models the LPSs merged, since each LPS started.",
+                 f"sum(ftsystem_halos_merges_total{{{JOB}}})"),
+            stat("Node restarts", "Restarts of the GPS, LPSs and workers by their agents.",
+                 f"sum(ftsystem_replica_restarts_total{{{JOB}}})"),
+            timeseries("Held-out loss of the global model", "Evaluated by the GPS after every "
+                       "global update.", "none",
+                       query(f"min(ftsystem_halos_global_loss{{{JOB}}})", "global model")),
+            timeseries("Global updates per minute", "LPS deltas applied by the GPS.", "none",
+                       query(f'sum(rate(ftsystem_halos_updates_applied_total{{{JOB}, '
+                             f'server="gps"}}[$__rate_interval])) * 60', "updates/min")),
+        ]),
+        ("Local parameter servers", [
+            timeseries("Worker updates applied per second", "Pseudo-gradients each LPS "
+                       "applied (local momentum).", "none",
+                       query(f"sum by (server) (rate(ftsystem_halos_updates_applied_total"
+                             f"{{{lps}}}[$__rate_interval]))", "{{server}}"), width=8),
+            timeseries("Exchange with the GPS", "Mean round trip of an LPS's delta to the GPS "
+                       "and the global model back (the slow, inter-region link), since each "
+                       "LPS started.", "s",
+                       mean("ftsystem_halos_exchange_seconds", JOB, "server"), width=8),
+            timeseries("Staleness", "LPS updates between the model a worker started from and "
+                       "the one its pseudo-gradient was applied to: quantiles over each LPS's "
+                       "pushes since it started.", "none",
+                       *[query(f"histogram_quantile({q}, sum by (le, server) "
+                               f"(ftsystem_halos_staleness_updates_bucket{{{JOB}}}))",
+                               f"{{{{server}}}} p{round(q * 100)}") for q in (0.5, 0.9)],
+                       width=8),
+        ]),
+        ("Workers", [
+            timeseries("Worker loss", f"Mean training loss of each worker's last job ({TOPK} "
+                       f"highest).", "none",
+                       query(worst("topk", f"max by (worker) "
+                                           f"(ftsystem_halos_worker_loss{{{JOB}}})"),
+                             "{{worker}}"), width=8),
+            timeseries("Pushes per second", f"Pseudo-gradients acknowledged by the LPS, per "
+                       f"worker ({TOPK} slowest): faster workers push more often unless H is "
+                       f"rescaled.", "none",
+                       query(worst("bottomk", f"sum by (worker) "
+                                              f"(rate(ftsystem_halos_worker_pushes_total"
+                                              f"{{{JOB}}}[$__rate_interval]))"), "{{worker}}"),
+                       width=8),
+            timeseries("Traffic", f"Tensor bytes per second each node sent and received "
+                       f"({TOPK} busiest).", "Bps",
+                       query(worst("topk", f"sum by (node, direction) "
+                                           f"(rate(ftsystem_halos_bytes_total{{{JOB}}}"
+                                           f"[$__rate_interval]))"),
+                             "{{node}} {{direction}}"), width=8),
+            timeseries("Node restarts", f"Restarts of the {TOPK} most restarted nodes by "
+                       f"their agents.", "none",
+                       query(worst("topk", f"sum by (replica) "
+                                           f"(ftsystem_replica_restarts_total{{{JOB}}})"),
+                             "{{replica}}")),
+        ]),
+    ])
+
+
 DASHBOARDS = {"job-overview": job_overview, "replica-detail": replica_detail,
-              "catch-up": catch_up}
+              "catch-up": catch_up, "halos": halos}
 """File name (without ``.json``) to builder."""
 
 

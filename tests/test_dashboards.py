@@ -32,8 +32,17 @@ COMPONENTS = {"controller", "agent", "replica"}
 RULE_FILES = ("recording.yml", "alerts.yml")
 
 
+HALOS = "halos.json"
+"""The HALoS dashboard: fed by ``ftsystem halos run``, not by an FT-HSDP job."""
+FTSYSTEM = str(Path(sys.executable).with_name("ftsystem"))
+
+
 def committed() -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def ft_hsdp_dashboards() -> dict[str, dict]:
+    return {name: d for name, d in committed().items() if name != HALOS}
 
 
 def panel_targets(dashboard: dict) -> list[tuple[str, str, str]]:
@@ -102,12 +111,9 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
         assert summaries, "the job did not end in time"
         assert len(summaries[0]["failures"]) == 1, summaries[0]["failures"]
         window = {"start": started, "end": time.time(), "step": 1}
-        check_variables(prom, job_id, window)
-        empty = [f"{name} / {title} / {ref}: {expr}"
-                 for name, dashboard in committed().items()
-                 for title, ref, expr in panel_targets(dashboard)
-                 if not _has_value(prom, _substitute(expr, job_id), window)]
-        assert not empty, "panels without data:\n" + "\n".join(empty)
+        check_variables(prom, job_id, window, ft_hsdp_dashboards(),
+                        {"job": {job_id}, "replica": {"r0", "r1"}})
+        assert_every_panel_has_data(prom, job_id, window, ft_hsdp_dashboards())
         silent = [rule for rule in recording_rules() if not _has_value(prom, rule, window)]
         assert not silent, f"recording rules without data: {silent}"
     finally:
@@ -118,6 +124,51 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
         except subprocess.TimeoutExpired:
             prometheus.kill()
             prometheus.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_every_halos_panel_returns_data_from_a_real_run(etcd, job_id, tmp_path):
+    """``ftsystem halos run`` keeps a file_sd list of its endpoints; a real Prometheus scrapes
+    the GPS, the LPSs, the workers and their agents through it while w1 is killed once."""
+    if not PROMETHEUS.exists():
+        pytest.skip(f"{PROMETHEUS} is not installed")
+    targets = tmp_path / "targets.json"
+    targets.write_text("[]")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [{"job_name": "halos", "honor_labels": True, "file_sd_configs": [
+            {"files": [str(targets)], "refresh_interval": "1s"}]}]}))
+    prom = f"http://127.0.0.1:{free_port()}"
+    prometheus = start_prometheus(config, tmp_path, prom)
+    started = time.time()
+    try:
+        done = subprocess.run(
+            [FTSYSTEM, "halos", "run", "--etcd", etcd.url, "--job", job_id, "--out",
+             str(tmp_path / "run"), "--prometheus-sd", str(targets), "--updates", "16",
+             "--accumulation-k", "8", "--step-time", "0.05", "--kill-at", "2:w1",
+             "--deadline", "200"], capture_output=True, text=True, timeout=220, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        window = {"start": started, "end": time.time(), "step": 1}
+        check_variables(prom, job_id, window, {HALOS: committed()[HALOS]}, {"job": {job_id}})
+        assert_every_panel_has_data(prom, job_id, window, {HALOS: committed()[HALOS]})
+    finally:
+        prometheus.terminate()
+        try:
+            prometheus.wait(15)
+        except subprocess.TimeoutExpired:
+            prometheus.kill()
+            prometheus.wait()
+
+
+def assert_every_panel_has_data(prom: str, job_id: str, window: dict,
+                                dashboards: dict[str, dict]) -> None:
+    empty = [f"{name} / {title} / {ref}: {expr}"
+             for name, dashboard in dashboards.items()
+             for title, ref, expr in panel_targets(dashboard)
+             if not _has_value(prom, _substitute(expr, job_id), window)]
+    assert not empty, "panels without data:\n" + "\n".join(empty)
 
 
 def start_prometheus(config: Path, directory: Path, url: str) -> subprocess.Popen:
@@ -151,10 +202,10 @@ def recording_rules() -> list[str]:
             for rule in group["rules"] if "record" in rule]
 
 
-def check_variables(prom: str, job_id: str, window: dict) -> None:
+def check_variables(prom: str, job_id: str, window: dict, dashboards: dict[str, dict],
+                    expected: dict[str, set[str]]) -> None:
     """Each ``label_values(selector, label)`` variable offers this job's values."""
-    expected = {"job": {job_id}, "replica": {"r0", "r1"}}
-    for dashboard in committed().values():
+    for dashboard in dashboards.values():
         for variable in dashboard["templating"]["list"]:
             selector, label = re.fullmatch(r"label_values\((.+), (\w+)\)",
                                            variable["query"]).groups()
