@@ -152,6 +152,7 @@ def _run_studies(title: str, paper: PaperSetup, base: StudyConfig, *, studies: l
                  counts: list[int], json_path: Path) -> None:
     """Run the studies; print the table, write the JSON."""
     import torch
+    from rich.markup import escape  # "[min, max]" in a title would read as a style tag
 
     from ftsystem.halos import corpus
     from ftsystem.halos import studies as studies_mod
@@ -172,9 +173,10 @@ def _run_studies(title: str, paper: PaperSetup, base: StudyConfig, *, studies: l
                               num_params=num_params, model=model)
     out["machine"] = report.machine()
     names = [f"{t['loss']:.4f}" for t in targets]
-    report.print_table(f"{title}: HALoS studies, median [min, max] over seeds {cfg.seeds}; "
-                       f"paper: {out['paper']['grouping']}; {out['paper']['non-iid']}",
-                       [c.format(*names) for c in studies_mod.COLUMNS],
+    report.print_table(escape(f"{title}: HALoS studies, median [min, max] over seeds "
+                              f"{cfg.seeds}; paper: {out['paper']['grouping']}; "
+                              f"{out['paper']['non-iid']}"),
+                       [escape(c.format(*names)) for c in studies_mod.COLUMNS],
                        studies_mod.table_rows(out))
     report.write_json(json_path, out)
     typer.echo(f"figures: {json_path}")

@@ -148,8 +148,8 @@ def study_rows(setup: PaperSetup, cfg: StudiesConfig) -> dict[str, list[Row]]:
     """Per chosen study, its rows in order."""
     h = setup.halos
     base = Row(label="HALoS (paper's values)", variant=Variant(name=BASE, method="halos"),
-               definition="the paper's setup: 4 regions x 4 workers, K 32, alpha 0.25, "
-                          "beta_l 0.9, beta_g 0.5")
+               definition="the setup's workers and HALoS values (the paper's: 4 regions x "
+                          "4 workers, K 32, alpha 0.25, beta_l 0.9, beta_g 0.5)")
     rows: dict[str, list[Row]] = {}
     if "grouping" in cfg.studies:
         net = heterogeneous_network(setup.network, cfg.workers_per_region)
