@@ -421,3 +421,23 @@ def test_shaped_run_at_the_setups_speeds_takes_the_links_time_and_completes(job_
     sim = summary["simulator"]
     assert sim["updates_compared"] >= 4
     assert 0.5 <= sim["per_update"]["ratio_median"] <= 2.0, sim["per_update"]
+
+
+def test_launch_refuses_shaping_it_cannot_do_and_says_what_to_do():
+    from ftsystem.halos.real import LaunchConfig
+
+    with pytest.raises(ValueError, match="own network namespace"):
+        LaunchConfig(real=shaped_config())
+    with pytest.raises(ValueError, match="loopback"):
+        LaunchConfig(real=shaped_config(), netns=True, etcd="http://127.0.0.1:2379")
+    LaunchConfig(real=shaped_config(), netns=True, etcd="http://10.1.2.1:2379")
+
+    def refused(*args: str) -> str:
+        done = subprocess.run([FTSYSTEM, "halos", "run", *args], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert done.returncode == 2, done.stdout + done.stderr
+        return " ".join(done.stderr.split())
+
+    assert "add --shape" in refused("--compare-sim")
+    assert "--step-time" in refused("--shape") if NO_SHAPING is None else \
+        "leave out --shape" in refused("--shape")
