@@ -385,6 +385,7 @@ c.sendall(b"x" * int(sys.argv[2])); c.recv(1); print(time.perf_counter() - t)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_SHAPING is not None, reason=f"no shaping here: {NO_SHAPING}")
 def test_shaped_run_at_the_setups_speeds_takes_the_links_time_and_completes(job_id, tmp_path):
     """Every node in its own namespace, the paper's speeds and scaled bandwidths (lps1 is an
