@@ -37,7 +37,7 @@ QUICK = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=64)
 FULL = Preset(model="base", iters=768, eval_points=32, eval_sequences=128)
 # bench halos-studies runs HALoS alone, 19 variants x 3 seeds: the tiny model fits minutes of CPU.
 STUDIES_QUICK = Preset(model="tiny", iters=16, eval_points=8, eval_sequences=32)
-STUDIES_FULL = Preset(model="tiny", iters=128, eval_points=16, eval_sequences=128)
+STUDIES_FULL = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=128)
 SEEDS = "0,1,2"
 
 SETUP_OPT = typer.Option(DEFAULT_SETUP, "--setup", help="The paper's setup YAML.")
