@@ -118,12 +118,7 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
         assert not silent, f"recording rules without data: {silent}"
     finally:
         runner.join(120)
-        prometheus.terminate()
-        try:
-            prometheus.wait(15)
-        except subprocess.TimeoutExpired:
-            prometheus.kill()
-            prometheus.wait()
+        stop_prometheus(prometheus)
 
 
 @pytest.mark.slow
@@ -154,12 +149,7 @@ def test_every_halos_panel_returns_data_from_a_real_run(etcd, job_id, tmp_path):
         check_variables(prom, job_id, window, {HALOS: committed()[HALOS]}, {"job": {job_id}})
         assert_every_panel_has_data(prom, job_id, window, {HALOS: committed()[HALOS]})
     finally:
-        prometheus.terminate()
-        try:
-            prometheus.wait(15)
-        except subprocess.TimeoutExpired:
-            prometheus.kill()
-            prometheus.wait()
+        stop_prometheus(prometheus)
 
 
 def assert_every_panel_has_data(prom: str, job_id: str, window: dict,
@@ -169,6 +159,15 @@ def assert_every_panel_has_data(prom: str, job_id: str, window: dict,
              for title, ref, expr in panel_targets(dashboard)
              if not _has_value(prom, _substitute(expr, job_id), window)]
     assert not empty, "panels without data:\n" + "\n".join(empty)
+
+
+def stop_prometheus(prometheus: subprocess.Popen) -> None:
+    prometheus.terminate()
+    try:
+        prometheus.wait(15)
+    except subprocess.TimeoutExpired:
+        prometheus.kill()
+        prometheus.wait()
 
 
 def start_prometheus(config: Path, directory: Path, url: str) -> subprocess.Popen:
