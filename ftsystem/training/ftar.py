@@ -191,13 +191,35 @@ class FaultTolerantAllReduce:
 
     def _barrier(self, addr: str, rank: int, world: int, epoch: Epoch) -> None:
         try:
-            store = create_store_client(f"{addr}/arrived", timedelta(seconds=self.timeout_s))
+            store = self._connect(f"{addr}/arrived", epoch)
             store.set(str(rank), "1")
             everyone = [str(r) for r in range(world)]
             self._wait(lambda: store.check(everyone) or time.sleep(POLL_S), epoch)
         except (RuntimeError, ValueError) as e:  # the store's host is gone (DistNetworkError)
             raise CollectiveFailed(f"epoch {epoch.number}: rendezvous store unreachable: {e}") \
                 from e
+
+    def _connect(self, addr: str, epoch: Epoch):
+        """A client of the epoch's store, connected in a thread so that a newer epoch interrupts
+        the wait: when the store's host died just before the epoch was published (it named a
+        member whose death was not seen yet), its SYNs go unanswered and the connect would hold
+        this member for the whole timeout, past the epoch that removes the dead host."""
+        done = threading.Event()
+        outcome: list = []
+
+        def connect() -> None:
+            try:
+                outcome.append(create_store_client(addr, timedelta(seconds=self.timeout_s)))
+            except BaseException as e:  # reported to the waiting thread
+                outcome.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=connect, daemon=True, name="ftar-store-connect").start()
+        self._wait(lambda: done.wait(POLL_S), epoch)  # an abandoned connect times out alone
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     @contextlib.contextmanager
     def arrival(self, step: int, bound_s: float) -> Iterator[None]:
