@@ -1,20 +1,29 @@
-"""A newer epoch interrupts a member's connect to an epoch's store that never answers.
+"""A member waiting on an epoch's store that never answers is not held by it: a newer epoch
+interrupts its connect, and a check of the arrival marks names the store's host late.
 
-The store here is a real listening socket that never accepts a store's handshake: a client's
-connect waits as it would for a host that died just before the epoch naming it was published.
+The silent stores are real: a listening socket that never answers a store's handshake (a client's
+connect waits as it would for a host that died just before the epoch naming it was published),
+and a TCPStore whose process is SIGSTOPped (a hung ``members[0]``, which hosts the store).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import socket
 import threading
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
+from torchft.process_group import create_store_client
 
 from ftsystem.control.membership import Epoch
-from ftsystem.training.ftar import EpochChanged, FaultTolerantAllReduce
+from ftsystem.training.ftar import (ARRIVAL_STORE_TIMEOUT_S, EpochChanged,
+                                    FaultTolerantAllReduce, Stragglers)
 
 TIMEOUT_S = 20.0
 
@@ -38,3 +47,37 @@ def test_a_newer_epoch_interrupts_the_connect_to_a_silent_store():
     finally:
         newer.cancel()
         silent.close()
+
+
+def _serve_store(ports) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    ports.put(store.port)
+    time.sleep(120)
+
+
+def test_a_frozen_store_names_its_host_late_within_the_store_timeout():
+    """members[0] hosts the epoch's store; SIGSTOPped, it never answers a check of the marks."""
+    ports = multiprocessing.Queue()
+    host = multiprocessing.Process(target=_serve_store, args=(ports,), daemon=True)
+    host.start()
+    try:
+        epoch = Epoch(number=1, members=("r0", "r1"))
+        control = SimpleNamespace(epoch=epoch, ctx=SimpleNamespace(job="j", replica_id="r1"))
+        ftar = FaultTolerantAllReduce(control, timeout_s=TIMEOUT_S)
+        ftar._arrivals = create_store_client(f"127.0.0.1:{ports.get(timeout=60)}/j/steps",
+                                             timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
+        ftar._arrivals.set("1", "7")  # r1 is at step 7, r0 never marked it
+        with pytest.raises(Stragglers) as late:
+            ftar._check_arrivals(epoch, 7, 2.0)
+        assert late.value.late == ("r0",)
+        os.kill(host.pid, signal.SIGSTOP)
+        ftar._arrivals.set("0", "7")  # r0 arrived, then froze: its store no longer answers
+        started = time.monotonic()
+        with pytest.raises(Stragglers) as late:
+            ftar._check_arrivals(epoch, 7, 2.0)
+        assert late.value.late == ("r0",)
+        assert time.monotonic() - started < ARRIVAL_STORE_TIMEOUT_S + 2
+    finally:
+        host.kill()
+        host.join()

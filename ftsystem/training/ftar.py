@@ -241,12 +241,29 @@ class FaultTolerantAllReduce:
             self._arrival = None
 
     def _check_arrivals(self, epoch: Epoch, step: int, bound_s: float) -> None:
-        try:
-            late = tuple(m for r, m in enumerate(epoch.members) if not self._arrived(r, step))
-        except (RuntimeError, ValueError):  # the store does not answer: its host is stuck
-            late = (epoch.members[0],)
+        late = self._late_members(epoch, step)
         if late:  # else everyone is there: the collective itself is slow
             raise Stragglers(late, step, bound_s)
+
+    def _late_members(self, epoch: Epoch, step: int) -> tuple[str, ...]:
+        """The members whose mark is missing or behind ``step``. The marks are read in a
+        thread: a store whose host is frozen (SIGSTOP) or cut off keeps its connection open
+        and never answers, and TCPStore's timeout does not bound a ``check``; a store that
+        has not answered within ``ARRIVAL_STORE_TIMEOUT_S`` names its host, ``members[0]``.
+        A read left waiting ends with that connection; the epoch that follows has its own."""
+        answer: list[tuple[str, ...]] = []
+
+        def read() -> None:
+            try:
+                answer.append(tuple(m for r, m in enumerate(epoch.members)
+                                    if not self._arrived(r, step)))
+            except (RuntimeError, ValueError):  # the store's host is gone
+                pass
+
+        reader = threading.Thread(target=read, daemon=True, name="ftar-arrivals")
+        reader.start()
+        reader.join(ARRIVAL_STORE_TIMEOUT_S)
+        return answer[0] if answer else (epoch.members[0],)
 
     def _arrived(self, rank: int, step: int) -> bool:
         # check() first: get() of a key never written waits for it.
