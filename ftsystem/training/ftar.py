@@ -115,6 +115,12 @@ def plan_state_sync(steps: list[int], fresh: list[bool], chains: list[bytes] | N
     return donor, receivers
 
 
+def _arrived(store, rank: int, step: int) -> bool:
+    """Whether ``rank``'s arrival mark in ``store`` is at ``step`` or later."""
+    key = str(rank)  # check() first: get() of a key never written waits for it
+    return store.check([key]) and int(store.get(key)) >= step
+
+
 class FaultTolerantAllReduce:
     """The cross-replica group of one shard index, rebuilt for every epoch."""
 
@@ -252,11 +258,12 @@ class FaultTolerantAllReduce:
         has not answered within ``ARRIVAL_STORE_TIMEOUT_S`` names its host, ``members[0]``.
         A read left waiting ends with that connection; the epoch that follows has its own."""
         answer: list[tuple[str, ...]] = []
+        store = self._arrivals  # this epoch's client: a read left waiting keeps to it
 
         def read() -> None:
             try:
                 answer.append(tuple(m for r, m in enumerate(epoch.members)
-                                    if not self._arrived(r, step)))
+                                    if not _arrived(store, r, step)))
             except (RuntimeError, ValueError):  # the store's host is gone
                 pass
 
@@ -264,11 +271,6 @@ class FaultTolerantAllReduce:
         reader.start()
         reader.join(ARRIVAL_STORE_TIMEOUT_S)
         return answer[0] if answer else (epoch.members[0],)
-
-    def _arrived(self, rank: int, step: int) -> bool:
-        # check() first: get() of a key never written waits for it.
-        key = str(rank)
-        return self._arrivals.check([key]) and int(self._arrivals.get(key)) >= step
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
                       ) -> None:
