@@ -85,3 +85,25 @@ def controller_process(etcd_url: str, job: str, log_dir: Path,
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def write_two_region_setup(directory: Path, *, worker_speeds: list[list[float]],
+                           num_lps: int) -> tuple[Path, Path]:
+    """The paper's setup cut to two regions, one-second steps and tiny H and K, with a trace of
+    one model: HALoS benches run every code path on it in seconds. Returns (setup, trace)."""
+    import json
+
+    import yaml
+
+    from ftsystem.halos.config import DEFAULT_SETUP
+
+    doc = yaml.safe_load(DEFAULT_SETUP.read_text())
+    doc.update(num_regions=2, network_bandwidth_gbps=[[100.0, 1.0], [1.0, 100.0]],
+               worker_speeds=worker_speeds)
+    doc["pythia_70m"]["local_step_time_ms"] = 1000.0
+    doc["halos"].update(num_lps=num_lps, workers_per_lps=1, local_steps_H=2, accumulation_K=2)
+    doc["diloco"]["local_steps_H"] = doc["async_local_sgd"]["local_steps_H"] = 4
+    setup_path, trace_path = directory / "setup.yaml", directory / "trace.json"
+    setup_path.write_text(yaml.safe_dump(doc))
+    trace_path.write_text(json.dumps({"models": {"pythia-70m": {"params": 31_250_000}}}))
+    return setup_path, trace_path

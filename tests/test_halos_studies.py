@@ -10,6 +10,8 @@ import pytest
 import simpy
 import torch
 import yaml
+
+from conftest import write_two_region_setup
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -171,16 +173,7 @@ def test_sweep_variants_change_one_parameter():
 @pytest.fixture
 def two_regions(tmp_path):
     """Two regions (one worker, two workers): the studies' smoke run takes seconds."""
-    doc = yaml.safe_load(DEFAULT_SETUP.read_text())
-    doc.update(num_regions=2, network_bandwidth_gbps=[[100.0, 1.0], [1.0, 100.0]],
-               worker_speeds=[[1.0], [0.5, 0.9]])
-    doc["pythia_70m"]["local_step_time_ms"] = 1000.0
-    doc["halos"].update(num_lps=3, workers_per_lps=1, local_steps_H=2, accumulation_K=2)
-    doc["diloco"]["local_steps_H"] = doc["async_local_sgd"]["local_steps_H"] = 4
-    setup_path, trace_path = tmp_path / "setup.yaml", tmp_path / "trace.json"
-    setup_path.write_text(yaml.safe_dump(doc))
-    trace_path.write_text(json.dumps({"models": {"pythia-70m": {"params": 31_250_000}}}))
-    return setup_path, trace_path
+    return write_two_region_setup(tmp_path, worker_speeds=[[1.0], [0.5, 0.9]], num_lps=3)
 
 
 def test_bench_halos_studies_json_shape(two_regions, tmp_path):

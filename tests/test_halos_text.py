@@ -7,12 +7,13 @@ import json
 
 import pytest
 import torch
-import yaml
+
+from conftest import write_two_region_setup
 from typer.testing import CliRunner
 
 from ftsystem.cli import app
 from ftsystem.halos import corpus, experiment, rules
-from ftsystem.halos.config import DEFAULT_SETUP, load_setup
+from ftsystem.halos.config import load_setup
 from ftsystem.halos.simulator import METHODS, Curve, Run, SimConfig, simulate
 from ftsystem.halos.workload import Workload, WorkloadConfig, text_model
 
@@ -152,16 +153,7 @@ def test_ablation_steps_change_one_thing_at_a_time():
 @pytest.fixture
 def two_regions(tmp_path):
     """Two regions of one worker each (as in test_halos_sim): a bench that runs in seconds."""
-    doc = yaml.safe_load(DEFAULT_SETUP.read_text())
-    doc.update(num_regions=2, network_bandwidth_gbps=[[100.0, 1.0], [1.0, 100.0]],
-               worker_speeds=[[1.0], [0.5]])
-    doc["pythia_70m"]["local_step_time_ms"] = 1000.0
-    doc["halos"].update(num_lps=2, workers_per_lps=1, local_steps_H=2, accumulation_K=2)
-    doc["diloco"]["local_steps_H"] = doc["async_local_sgd"]["local_steps_H"] = 4
-    setup_path, trace_path = tmp_path / "setup.yaml", tmp_path / "trace.json"
-    setup_path.write_text(yaml.safe_dump(doc))
-    trace_path.write_text(json.dumps({"models": {"pythia-70m": {"params": 31_250_000}}}))
-    return setup_path, trace_path
+    return write_two_region_setup(tmp_path, worker_speeds=[[1.0], [0.5]], num_lps=2)
 
 
 def test_quick_bench_json_shape(two_regions, tmp_path):
