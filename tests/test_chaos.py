@@ -127,6 +127,8 @@ def test_agent_executes_hang_slow_and_kill(etcd, job_id, tmp_path):
         _apply(tmp_path, etcd, job_id, "action: hang\nduration: 1500ms")
         hang = wait_for(lambda: [o for o in _orders(etcd.url, job_id) if o["state"] == "done"],
                         30, "the hang to be executed")[0]
+        # The ticker resumes a moment after the order is marked done: wait for its first tick.
+        wait_for(lambda: _ticks(ticks)[-1] > hang["executed_at"] + 1.5, 30, "a tick after the hang")
         times = [t for t in _ticks(ticks) if t > hang["executed_at"] - 1]
         assert max(b - a for a, b in zip(times, times[1:])) >= 1.4  # it really stopped
 
@@ -134,6 +136,7 @@ def test_agent_executes_hang_slow_and_kill(etcd, job_id, tmp_path):
         wait_for(lambda: sum(o["state"] == "done" for o in _orders(etcd.url, job_id)) == 2,
                  30, "the slowdown to finish")
         slow = max(_orders(etcd.url, job_id), key=lambda o: o["at"])
+        wait_for(lambda: _ticks(ticks)[-1] > slow["executed_at"] + 2, 30, "a tick after the slowdown")
         window = [t for t in _ticks(ticks) if slow["executed_at"] < t < slow["executed_at"] + 2]
         assert 10 <= len(window) <= 75  # about half of the 100 ticks of 2 s
 
