@@ -13,7 +13,8 @@ abandons it (:class:`EpochChanged`), a peer failure or the timeout fails it
 straggler bound is named (:class:`Stragglers`): every member of shard 0 marks its arrival at
 each step in the epoch's store, and one that waited the bound reads whose mark is missing. Gloo cannot cancel an operation in flight, so an abandoned group
 is dropped with its buffers (callers pass a fresh buffer on every attempt) and a new group is
-built for the new epoch.
+built for the new epoch: in the background, from the moment the epoch is published, so that
+the rendezvous overlaps the end of the step in the old epoch.
 
 A collective is done when its data is in memory. With Gloo that is when its future completes;
 with NCCL the future completes when the collective is queued on the GPU, and its errors come
@@ -24,6 +25,7 @@ also waits for the device (:func:`device_arrival`) and then asks the group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -44,6 +46,8 @@ from ftsystem.training.runtime import ControlPlane
 log = logging.getLogger(__name__)
 POLL_S = 0.002
 ARRIVAL_STORE_TIMEOUT_S = 2.0
+WATCH_POLL_S = 1.0
+"""How often the thread that prepares published epochs looks whether the FTAR was shut down."""
 """A check of the arrival marks that the epoch's store does not answer within this means the
 store's host (``members[0]``) is frozen or gone: it is the one named late."""
 DEVICE_POLL_S = 0.0002
@@ -121,6 +125,19 @@ def _arrived(store, rank: int, step: int) -> bool:
     return store.check([key]) and int(store.get(key)) >= step
 
 
+@dataclasses.dataclass(eq=False)
+class _Build:
+    """The group of one epoch, built on a thread of its own (:meth:`FaultTolerantAllReduce.prepare`)."""
+    epoch: Epoch
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    pg: ProcessGroupWrapper | None = None
+    arrivals: object = None
+    """Shard 0: a client of the epoch's store, where members mark their arrival at steps."""
+    error: BaseException | None = None
+    abandoned: bool = False
+    """Nobody will use it: its thread aborts the group it finishes building."""
+
+
 class FaultTolerantAllReduce:
     """The cross-replica group of one shard index, rebuilt for every epoch."""
 
@@ -140,6 +157,11 @@ class FaultTolerantAllReduce:
         self._arrival: tuple[int, float] | None = None
         """(step, bound) while this member waits at that step's all-reduce."""
         self._aborting: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._builds: dict[int, _Build] = {}
+        """Groups of epochs being built, or built and not yet used, by epoch number."""
+        self._watcher: threading.Thread | None = None
+        self._closed = False
         # Where each future waiting for its data was issued: that group reports its errors,
         # also after a newer epoch replaced it.
         self._issued_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -153,47 +175,109 @@ class FaultTolerantAllReduce:
         return len(self.epoch.members)
 
     def configure(self, epoch: Epoch) -> None:
-        """Build the group of ``epoch``; returns when every member has joined it.
+        """Use the group of ``epoch``; returns when every member has joined it.
+
+        The group is built on a thread of its own (:meth:`prepare`), started as soon as the
+        epoch is published (:meth:`_prepare_published`): while this member still finishes a
+        step in the old epoch, the rendezvous of the new one goes on, as torchft's quorum
+        runs beside the forward pass. This waits for that build (a newer epoch or the
+        timeout interrupts the wait) and adopts it.
+        """
+        build = self.prepare(epoch)
+        try:
+            self._wait(lambda: build.done.wait(POLL_S), epoch)
+            if isinstance(build.error, (EpochChanged, CollectiveFailed)):
+                raise build.error
+            if build.error is not None:
+                raise CollectiveFailed(f"group of epoch {epoch.number} failed: {build.error}")
+        except (EpochChanged, CollectiveFailed):
+            self._abandon(build)
+            raise
+        with self._lock:
+            self._builds.pop(epoch.number, None)
+            older = [b for n, b in self._builds.items() if n < epoch.number]
+        for stale in older:
+            self._abandon(stale)
+        self.abort()
+        self._pg, self._arrivals, self.epoch = build.pg, build.arrivals, epoch
+        self._watch_epochs()
+
+    def prepare(self, epoch: Epoch) -> "_Build":
+        """Start building the group of ``epoch`` on a thread of its own (once per epoch).
 
         Gloo's own rendezvous cannot be interrupted, and a rendezvous left waiting (its epoch
         superseded) has been seen to abort the process when the store's host died later. So
         the members first meet at an interruptible barrier in the epoch's store, and start
         Gloo's rendezvous only once all have arrived: then it completes at once.
         """
-        self.abort()
-        ctx = self.control.ctx
+        with self._lock:
+            build = self._builds.get(epoch.number)
+            if build is None:
+                build = self._builds[epoch.number] = _Build(epoch)
+                threading.Thread(target=self._build, args=(build,), daemon=True,
+                                 name="ftar-build").start()
+        return build
+
+    def _build(self, build: "_Build") -> None:
+        epoch, ctx = build.epoch, self.control.ctx
         rank, world = epoch.rank_of(ctx.replica_id), len(epoch.members)
         addr = f"{epoch.store_addr}/ftsystem/{ctx.job}/epoch/{epoch.number}/shard/{self.shard_index}"
-        self._barrier(addr, rank, world, epoch)
-        pg = process_group_for(self.device, self.timeout_s)
-        done = threading.Event()
-        errors: list[BaseException] = []
-
-        def rendezvous() -> None:
-            try:
-                use_device(self.device)  # NCCL binds its communicator to the current device
-                pg.configure(addr, ctx.replica_id, rank, world)
-            except BaseException as e:  # reported to the waiting thread
-                errors.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=rendezvous, daemon=True, name="ftar-rendezvous").start()
         try:
-            self._wait(lambda: done.wait(POLL_S), epoch)
-            if errors:
-                raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {errors[0]}")
-        except (EpochChanged, CollectiveFailed):
-            if done.is_set():  # tearing down a group still connecting aborts the process
-                pg.abort(errored=False)
-            raise
-        self._pg, self.epoch = pg, epoch
-        if self.shard_index == 0:
+            self._barrier(addr, rank, world, epoch)
+            pg = process_group_for(self.device, self.timeout_s)
+            use_device(self.device)  # NCCL binds its communicator to the current device
             try:
-                self._arrivals = create_store_client(f"{addr}/steps",
-                                                     timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
-            except (RuntimeError, ValueError) as e:  # its host just went: the collective fails
-                log.warning("epoch %d: no arrival marks this epoch (%s)", epoch.number, e)
+                pg.configure(addr, ctx.replica_id, rank, world)
+            except BaseException as e:  # e.g. a peer that died since the barrier
+                raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {e}") from e
+            build.pg = pg
+            build.arrivals = self._arrival_store(addr, epoch)
+        except BaseException as e:  # reported to the thread that configures the epoch
+            build.error = e
+        finally:
+            with self._lock:
+                build.done.set()
+                orphan = build.pg if build.abandoned else None
+            if orphan is not None:
+                self._abort_group(orphan)
+
+    def _arrival_store(self, addr: str, epoch: Epoch):
+        if self.shard_index != 0:
+            return None
+        try:
+            return create_store_client(f"{addr}/steps", timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
+        except (RuntimeError, ValueError) as e:  # its host just went: the collective fails
+            log.warning("epoch %d: no arrival marks this epoch (%s)", epoch.number, e)
+            return None
+
+    def _abandon(self, build: "_Build") -> None:
+        """Drop a build nobody will use: its group is aborted once it exists (tearing down a
+        group still connecting aborts the process), by its own thread if it still runs."""
+        with self._lock:
+            build.abandoned = True
+            self._builds.pop(build.epoch.number, None)
+            pg = build.pg if build.done.is_set() else None
+        if pg is not None:
+            self._abort_in_background(pg)
+
+    def _watch_epochs(self) -> None:
+        """Once configured: prepare every epoch published with this replica as a trainable
+        member, on a thread that waits for them (started once)."""
+        if self._watcher is not None:
+            return
+
+        def watch() -> None:
+            seen = self.epoch.number
+            while not self._closed:
+                epoch = self.control.wait_for_epoch(seen, WATCH_POLL_S)
+                if epoch is None or self._closed:
+                    continue
+                seen = epoch.number
+                if self.control.ctx.replica_id in epoch.members and not epoch.paused:
+                    self.prepare(epoch)
+
+        self._watcher = threading.Thread(target=watch, daemon=True, name="ftar-epochs")
+        self._watcher.start()
 
     def _barrier(self, addr: str, rank: int, world: int, epoch: Epoch) -> None:
         try:
@@ -300,10 +384,13 @@ class FaultTolerantAllReduce:
         self._arrivals = None
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            aborting = threading.Thread(target=self._abort_group, args=(pg,), daemon=True,
-                                        name="ftar-abort")
-            aborting.start()
-            self._aborting = [t for t in self._aborting if t.is_alive()] + [aborting]
+            self._abort_in_background(pg)
+
+    def _abort_in_background(self, pg: ProcessGroupWrapper) -> None:
+        aborting = threading.Thread(target=self._abort_group, args=(pg,), daemon=True,
+                                    name="ftar-abort")
+        aborting.start()
+        self._aborting = [t for t in self._aborting if t.is_alive()] + [aborting]
 
     def _abort_group(self, pg: ProcessGroupWrapper) -> None:
         use_device(self.device)  # not cuda:0, where it would make a CUDA context of its own
@@ -312,6 +399,11 @@ class FaultTolerantAllReduce:
     def shutdown(self) -> None:
         """Abort the group and wait (up to the timeout) for every abort still running: a
         process that exits while one runs in C++ is terminated with SIGABRT."""
+        self._closed = True
+        with self._lock:
+            builds = list(self._builds.values())
+        for build in builds:
+            self._abandon(build)
         self.abort()
         deadline = time.monotonic() + self.timeout_s
         for thread in self._aborting:
