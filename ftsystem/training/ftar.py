@@ -330,31 +330,38 @@ class FaultTolerantAllReduce:
         finally:
             self._arrival = None
 
-    def _check_arrivals(self, epoch: Epoch, step: int, bound_s: float) -> None:
-        late = self._late_members(epoch, step)
-        if late:  # else everyone is there: the collective itself is slow
-            raise Stragglers(late, step, bound_s)
-
-    def _late_members(self, epoch: Epoch, step: int) -> tuple[str, ...]:
+    def _late_members(self, epoch: Epoch, step: int, early: "_MarksRead | None" = None,
+                      silence_s: float = math.inf) -> tuple[str, ...]:
         """The members whose mark is missing or behind ``step``. The marks are read in a
         thread: a store whose host is frozen (SIGSTOP) or cut off keeps its connection open
         and never answers, and TCPStore's timeout does not bound a ``check``; a store that
-        has not answered within ``ARRIVAL_STORE_TIMEOUT_S`` names its host, ``members[0]``.
-        A read left waiting ends with that connection; the epoch that follows has its own."""
-        answer: list[tuple[str, ...]] = []
+        has not answered within ``ARRIVAL_STORE_TIMEOUT_S`` names its host, ``members[0]``,
+        and so does one that left ``early``, a read started before, unanswered for
+        ``silence_s``. A read left waiting ends with that connection; the epoch that follows
+        has its own."""
+        if early is not None and not early.done.is_set() and \
+                time.monotonic() - early.started >= silence_s:
+            return (epoch.members[0],)
+        read = self._read_marks(epoch, step)
+        read.done.wait(ARRIVAL_STORE_TIMEOUT_S)
+        return read.late if read.late is not None else (epoch.members[0],)
+
+    def _read_marks(self, epoch: Epoch, step: int) -> "_MarksRead":
+        """Start reading which members' marks are behind ``step``, on a thread of its own."""
+        read = _MarksRead(time.monotonic())
         store = self._arrivals  # this epoch's client: a read left waiting keeps to it
 
-        def read() -> None:
+        def run() -> None:
             try:
-                answer.append(tuple(m for r, m in enumerate(epoch.members)
-                                    if not _arrived(store, r, step)))
+                read.late = tuple(m for r, m in enumerate(epoch.members)
+                                  if not _arrived(store, r, step))
             except (RuntimeError, ValueError):  # the store's host is gone
                 pass
+            finally:
+                read.done.set()
 
-        reader = threading.Thread(target=read, daemon=True, name="ftar-arrivals")
-        reader.start()
-        reader.join(ARRIVAL_STORE_TIMEOUT_S)
-        return answer[0] if answer else (epoch.members[0],)
+        threading.Thread(target=run, daemon=True, name="ftar-arrivals").start()
+        return read
 
     def allreduce_sum(self, tensor: torch.Tensor, on_issued: Callable[[], None] | None = None
                       ) -> None:
@@ -451,16 +458,51 @@ class FaultTolerantAllReduce:
               arrival: tuple[int, float] | None = None) -> None:
         """Poll ``ready`` (which may block up to ``POLL_S``) until it holds; a newer epoch or
         the timeout interrupts the wait, and so do stragglers at ``arrival`` (step, bound)."""
-        started = time.monotonic()
-        deadline = started + self.timeout_s
-        check_at = started + arrival[1] if arrival is not None else math.inf
+        deadline = time.monotonic() + self.timeout_s
+        stragglers = _StragglerCheck(self, epoch, *arrival) if arrival is not None else None
         while not ready():
             latest = self.control.epoch
             if latest is not None and latest.number > epoch.number:
                 raise EpochChanged(f"epoch {latest.number} superseded {epoch.number}")
-            if time.monotonic() > check_at:
-                self._check_arrivals(epoch, *arrival)
-                check_at = time.monotonic() + arrival[1]
+            if stragglers is not None:
+                stragglers.poll()
             if time.monotonic() > deadline:
                 raise CollectiveFailed(f"not done within {self.timeout_s:.0f} s in epoch "
                                        f"{epoch.number} (FTSYSTEM_TIMEOUT_S)")
+
+
+@dataclasses.dataclass(eq=False)
+class _MarksRead:
+    """A read of the arrival marks (:meth:`FaultTolerantAllReduce._read_marks`)."""
+    started: float
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    late: tuple[str, ...] | None = None
+    """The members behind; None while the store has not answered, or when it failed."""
+
+
+class _StragglerCheck:
+    """When a wait at a step's all-reduce reads the arrival marks: at the straggler bound, and
+    every bound after. A first read starts half a bound earlier (at most
+    ``ARRIVAL_STORE_TIMEOUT_S``): a store silent since then is known silent at the bound, and
+    its host named, rather than one store timeout after it (a fault of ``members[0]`` would
+    otherwise cost the survivors the bound plus that timeout)."""
+
+    def __init__(self, ftar: FaultTolerantAllReduce, epoch: Epoch, step: int,
+                 bound_s: float) -> None:
+        self.ftar, self.epoch, self.step, self.bound_s = ftar, epoch, step, bound_s
+        self.lead_s = min(ARRIVAL_STORE_TIMEOUT_S, bound_s / 2)
+        self._arm(time.monotonic())
+
+    def _arm(self, now: float) -> None:
+        self.check_at, self.early = now + self.bound_s, None
+
+    def poll(self) -> None:
+        """Raise :class:`Stragglers` once the bound passed with members behind."""
+        now = time.monotonic()
+        if self.early is None and now > self.check_at - self.lead_s:
+            self.early = self.ftar._read_marks(self.epoch, self.step)
+        if now > self.check_at:
+            late = self.ftar._late_members(self.epoch, self.step, self.early, self.lead_s)
+            if late:
+                raise Stragglers(late, self.step, self.bound_s)
+            self._arm(now)  # everyone is there: the collective itself is slow
