@@ -263,7 +263,9 @@ class MembershipLoop:
         rid = keys.last_segment(event.key)
         if event.kind == "DELETE":
             self.registrations.pop(rid, None)
-            self.evicted.pop(rid, None)
+            # The eviction outlives the registration: a member cut off (named late, then its
+            # lease expired) is registered again by its agent on a new lease, of the same
+            # generation, once its link is back; it rejoins only as a new generation.
             self.ettr.forget(rid)
             if self.epoch is not None and rid in self.epoch.members:
                 self.vanished[rid] = time.monotonic()

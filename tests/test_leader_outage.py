@@ -1,6 +1,7 @@
 """The real leader (``run_elections``, in-process) against a real etcd, with simulated replicas:
-an etcd outage that lapses every lease is not a host failure, and a member's stale lease
-confirms a peer's report of a failed collective at once."""
+an etcd outage that lapses every lease is not a host failure, a member's stale lease
+confirms a peer's report of a failed collective at once, and a member taken out stays out
+until it comes back as a new generation, also when its lease expired meanwhile."""
 
 from __future__ import annotations
 
@@ -250,3 +251,30 @@ async def _takeover(etcd: EmbeddedEtcd, job: str) -> None:
         assert removal.members == ("a", "c") and removal.generations == {"a": 0, "c": 0}
         for _, epoch in epochs.seen:
             assert epoch.members and "a" in epoch.members, EpochLog._brief(epoch)
+
+
+def test_a_member_named_late_stays_out_when_its_lease_expires_and_comes_back(etcd, job_id):
+    asyncio.run(_late_then_lapsed(etcd, job_id))
+
+
+async def _late_then_lapsed(etcd: EmbeddedEtcd, job: str) -> None:
+    """Seen in ``bench ettr``: a partitioned member, named late and removed, had its lease
+    expire; back online, its agent registered it again (same generation) and the leader let
+    it join, holding the survivors in an epoch with a member that was about to exit."""
+    ttl = 10
+    async with job_with_leader(etcd.url, job, "abc", ttl_s=ttl) as (replicas, epochs, store):
+        _, first = epochs.seen[-1]
+        cut = replicas["b"]
+        await replicas["a"].put(resync_after=first.number, late=("b",))
+        _, removal = await epochs.wait_for(lambda e: "b" not in e.members, "b removed", ttl)
+        old_lease = cut.registration.lease
+        await store.revoke(old_lease)  # expired while cut off: its registration goes with it
+        deadline = time.monotonic() + 30
+        while cut.registration.lease == old_lease:  # its agent's next renewal replaces it
+            assert time.monotonic() < deadline, "b was not registered again"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # join ticks
+        assert all("b" not in e.members for _, e in epochs.seen if e.number >= removal.number)
+        # Restarted by its agent (a new generation), it joins again.
+        await cut.put(generation=1, state=ReplicaState.READY)
+        await epochs.wait_for(lambda e: e.generations.get("b") == 1, "b's new generation", 30)
