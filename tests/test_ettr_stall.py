@@ -7,7 +7,8 @@ import json
 import pytest
 
 from ftsystem.measure.ettr import LiveEttr, ettr, job_timeline
-from ftsystem.measure.stall import failure_stall, faults, normal_step_time, survivor_stall
+from ftsystem.measure.stall import (down_at, failure_stall, faults, normal_step_time,
+                                    survivor_stall)
 
 
 def steady(start: float, n: int, step: float = 0.1, first_step: int = 1):
@@ -66,6 +67,20 @@ def test_failure_stall_ignores_the_failed_replica():
     timelines = {"a": steady(0.0, 30), "b": steady(0.0, 10)}
     assert failure_stall(timelines, 0.95, ["b"]) == pytest.approx(0.0)
     assert failure_stall({"b": steady(0.0, 10)}, 0.5, ["b"]) is None
+
+
+def test_a_replica_still_down_from_its_own_fault_is_no_survivor_of_the_next():
+    # b is cut off at 1.05 s and commits again at 3.0 s; a's fault at 2.0 s hits in between.
+    timelines = {"a": steady(0.0, 20) + steady(2.6, 10, first_step=21),
+                 "b": steady(0.0, 11) + steady(3.0, 10, first_step=12),
+                 "c": steady(0.0, 20) + steady(2.6, 10, first_step=21)}
+    events = [{"replica": "b", "time": 1.05}, {"replica": "a", "time": 2.0}]
+    assert down_at(timelines, events, 2.0) == ["a", "b"]  # a: its own fault, at that instant
+    assert down_at(timelines, events, 0.5) == []
+    assert down_at(timelines, events, 3.5) == []  # b committed since
+    counted = failure_stall(timelines, 2.0, ["a", *down_at(timelines, events, 2.0)])
+    assert counted == pytest.approx(2.6 - 2.0 - 0.1)  # c's stall, not b's own gap
+    assert failure_stall(timelines, 2.0, ["a"]) == pytest.approx(3.0 - 2.0 - 0.1)
 
 
 def test_ettr_without_failures_is_one():

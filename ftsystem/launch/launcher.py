@@ -399,13 +399,6 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: NodeAgents,
                      agent_exit_codes=agents.exit_codes(), orders=chaos) | {"chaos": chaos}
 
 
-def _down_at(rid: str, t: float, timelines: dict, failures: list[dict]) -> bool:
-    """Whether replica ``rid`` had failed and not committed since, at time ``t``: it was not
-    a survivor of a failure then (its own restart gap is not a stall)."""
-    last = max((c[1] for c in timelines[rid] if c[1] <= t), default=float("-inf"))
-    return any(f["replica"] == rid and last <= f["time"] <= t for f in failures)
-
-
 def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
               num_replicas: int, agent_exit_codes: list[int],
               orders: Sequence[dict] = ()) -> dict:
@@ -414,7 +407,7 @@ def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
     timelines = {rid: r["commits"] for rid, r in results.items()}
     faults = stall.faults(failures, orders)
     for fault in faults:
-        down = [rid for rid in timelines if _down_at(rid, fault["time"], timelines, failures)]
+        down = stall.down_at(timelines, [*faults, *failures], fault["time"])
         fault["stall_s"] = stall.failure_stall(timelines, fault["time"],
                                                [fault["replica"], *down])
         for i in fault["explains"]:

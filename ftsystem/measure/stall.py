@@ -71,6 +71,19 @@ def failure_stall(timelines: Mapping[str, Timeline], fault_time: float,
     return max(stalls) if stalls else None
 
 
+def down_at(timelines: Mapping[str, Timeline], events: Iterable[Mapping], t: float) -> list[str]:
+    """The replicas still down at ``t`` from a fault of their own: one of ``events`` (faults or
+    failure records, ``{"replica", "time"}``) hit them after their last commit before ``t``.
+    They are no survivors of a fault at ``t``: a replica cut off at 10 s and back at 33 s
+    would otherwise count its own 23 s as the stall of every fault in between."""
+    events = list(events)
+
+    def down(rid: str) -> bool:
+        last = max((c[1] for c in timelines[rid] if c[1] <= t), default=float("-inf"))
+        return any(e.get("replica") == rid and last <= e["time"] <= t for e in events)
+    return [rid for rid in timelines if down(rid)]
+
+
 def faults(failures: Sequence[Mapping], orders: Sequence[Mapping]) -> list[dict]:
     """Every fault of a run, each with its instant ``time``, oldest first.
 
