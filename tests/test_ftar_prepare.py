@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from conftest import wait_for
 from ftsystem.control.membership import Epoch
-from ftsystem.training.ftar import FaultTolerantAllReduce
+from ftsystem.training.ftar import EpochChanged, FaultTolerantAllReduce
 
 TIMEOUT_S = 20.0
 MEMBERS = ("r0", "r1")
@@ -84,6 +84,10 @@ def test_a_published_epoch_is_built_before_it_is_configured_and_a_superseded_one
             publish(4)  # 3 is superseded, built or not: configuring 4 drops it
             _on_both(pool, lambda i: ftars[i].configure(epoch(4)))
             assert all(f.epoch.number == 4 and not f._builds for f in ftars)
+            for number in (3, 4):  # used or dropped: never built a second time
+                again = ftars[0].prepare(epoch(number))
+                assert again.done.is_set() and isinstance(again.error, EpochChanged)
+            assert not ftars[0]._builds
             assert _on_both(pool, summed) == [3.0, 3.0]
         finally:
             for ftar in ftars:

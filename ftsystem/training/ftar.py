@@ -46,10 +46,10 @@ from ftsystem.training.runtime import ControlPlane
 log = logging.getLogger(__name__)
 POLL_S = 0.002
 ARRIVAL_STORE_TIMEOUT_S = 2.0
-WATCH_POLL_S = 1.0
-"""How often the thread that prepares published epochs looks whether the FTAR was shut down."""
 """A check of the arrival marks that the epoch's store does not answer within this means the
 store's host (``members[0]``) is frozen or gone: it is the one named late."""
+WATCH_POLL_S = 1.0
+"""How often the thread that prepares published epochs looks whether the FTAR was shut down."""
 DEVICE_POLL_S = 0.0002
 """A GPU collective of one gradient bucket takes about a millisecond: a poll as coarse as
 ``POLL_S`` would add a good part of that to every bucket's wait."""
@@ -160,6 +160,8 @@ class FaultTolerantAllReduce:
         self._lock = threading.Lock()
         self._builds: dict[int, _Build] = {}
         """Groups of epochs being built, or built and not yet used, by epoch number."""
+        self._retired = 0
+        """The newest epoch whose group was used or dropped: none is built again."""
         self._watcher: threading.Thread | None = None
         self._closed = False
         # Where each future waiting for its data was issued: that group reports its errors,
@@ -178,7 +180,7 @@ class FaultTolerantAllReduce:
         """Use the group of ``epoch``; returns when every member has joined it.
 
         The group is built on a thread of its own (:meth:`prepare`), started as soon as the
-        epoch is published (:meth:`_prepare_published`): while this member still finishes a
+        epoch is published (:meth:`_watch_epochs`): while this member still finishes a
         step in the old epoch, the rendezvous of the new one goes on, as torchft's quorum
         runs beside the forward pass. This waits for that build (a newer epoch or the
         timeout interrupts the wait) and adopts it.
@@ -195,6 +197,7 @@ class FaultTolerantAllReduce:
             raise
         with self._lock:
             self._builds.pop(epoch.number, None)
+            self._retired = max(self._retired, epoch.number)
             older = [b for n, b in self._builds.items() if n < epoch.number]
         for stale in older:
             self._abandon(stale)
@@ -212,7 +215,13 @@ class FaultTolerantAllReduce:
         """
         with self._lock:
             build = self._builds.get(epoch.number)
-            if build is None:
+            if build is None and epoch.number <= self._retired:
+                # Used or dropped already: a second rendezvous under its prefix would wait
+                # alone (its barrier's keys are all set), past any newer epoch.
+                build = _Build(epoch, error=EpochChanged(
+                    f"epoch {epoch.number} was already used or dropped"))
+                build.done.set()
+            elif build is None:
                 build = self._builds[epoch.number] = _Build(epoch)
                 threading.Thread(target=self._build, args=(build,), daemon=True,
                                  name="ftar-build").start()
@@ -255,7 +264,9 @@ class FaultTolerantAllReduce:
         group still connecting aborts the process), by its own thread if it still runs."""
         with self._lock:
             build.abandoned = True
-            self._builds.pop(build.epoch.number, None)
+            if self._builds.get(build.epoch.number) is build:
+                del self._builds[build.epoch.number]
+                self._retired = max(self._retired, build.epoch.number)
             pg = build.pg if build.done.is_set() else None
         if pg is not None:
             self._abort_in_background(pg)
