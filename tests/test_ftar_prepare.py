@@ -92,3 +92,6 @@ def test_a_published_epoch_is_built_before_it_is_configured_and_a_superseded_one
         finally:
             for ftar in ftars:
                 ftar.shutdown()
+    closed = ftars[0].prepare(epoch(5))  # after shutdown nothing is built
+    assert closed.done.is_set() and isinstance(closed.error, EpochChanged)
+    assert not ftars[0]._builds

@@ -432,7 +432,8 @@ def summarize(*, commits: dict[str, Timeline], starts: dict[str, list[dict]],
     rounds = restart_rounds(starts, commits)
     faults = stall.faults([], records)
     for fault in faults:
-        fault["stall_s"] = stall.failure_stall(timelines, fault["time"], [fault["replica"]])
+        down = stall.down_at(timelines, faults, fault["time"])  # as ftsystem run's summary
+        fault["stall_s"] = stall.failure_stall(timelines, fault["time"], [fault["replica"], *down])
     return {
         "outcome": outcome,
         "finished": outcome == "finished",

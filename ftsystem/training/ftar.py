@@ -215,11 +215,12 @@ class FaultTolerantAllReduce:
         """
         with self._lock:
             build = self._builds.get(epoch.number)
-            if build is None and epoch.number <= self._retired:
+            if build is None and (self._closed or epoch.number <= self._retired):
                 # Used or dropped already: a second rendezvous under its prefix would wait
-                # alone (its barrier's keys are all set), past any newer epoch.
+                # alone (its barrier's keys are all set), past any newer epoch. Shut down:
+                # a process exiting during a rendezvous in C++ is aborted.
                 build = _Build(epoch, error=EpochChanged(
-                    f"epoch {epoch.number} was already used or dropped"))
+                    f"epoch {epoch.number} was already used or dropped, or the FTAR is shut down"))
                 build.done.set()
             elif build is None:
                 build = self._builds[epoch.number] = _Build(epoch)
@@ -417,8 +418,8 @@ class FaultTolerantAllReduce:
     def shutdown(self) -> None:
         """Abort the group and wait (up to the timeout) for every abort still running: a
         process that exits while one runs in C++ is terminated with SIGABRT."""
-        self._closed = True
         with self._lock:
+            self._closed = True
             builds = list(self._builds.values())
         for build in builds:
             self._abandon(build)
