@@ -48,7 +48,7 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
         # (imports, and a kill or two among them) took over 15 s of it.
         "bench", "ettr", "--duration", "25", "--mtbf", "8s", "--actions", "kill,hang",
         "--fault-duration", "2s", "--timeout", "6", "--replicas", "2", "--rounds", "1",
-        "--json", str(out)])
+        "--fault-free", "10", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     # One round: the rounds' order and aggregation are checked without processes below.
@@ -57,7 +57,7 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
     for name in SYSTEMS:
         system = data[name]
         assert [r["round"] for r in system["rounds"]] == [0]
-        for figure in ("ettr_time", "ettr_work"):
+        for figure in ("ettr_time", "ettr_work", "fault_free_ettr_time"):
             spread = system[figure]
             if spread["median"] is None:  # no commit within 25 s (a slow start on a busy machine)
                 assert name != "ftsystem" and spread == {"median": None, "min": None,
@@ -69,6 +69,10 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
     # The baseline's only detector gets ftsystem's detection budget: a third of the timeout.
     assert data["restart_all"]["rounds"][0]["collective_timeout_s"] == 2.0
     assert set(data["ratio"]["ettr_time"]) >= {"median", "min", "max", "per_round"}
+    for name in SYSTEMS:  # each chaos run held to the pace of its own run free of faults
+        run = data[name]["rounds"][0]
+        assert run["fault_free"]["mean_step_s"] > 0, (name, run["fault_free"])
+        assert run["ettr_paced"] is None or 0 < run["ettr_paced"] < 1.5, (name, run)
     assert "ETTR over 25 s" in result.output
 
 
@@ -80,10 +84,14 @@ def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
     calls = []
 
     def fake(name: str, ettr_time: float):
-        def run(*, workdir, **_) -> dict:
-            calls.append(name)
+        def run(*, spec, workdir, **_) -> dict:
+            calls.append(name if spec else f"{name} fault-free")
+            if spec is None:  # 100 steps in 10 s: a pace of 0.1 s
+                return {"ettr_time": 0.97, "interval_s": 10.0, "mean_step_s": 0.1,
+                        "step_s": 0.09, "steps_advanced": 100, "window_start_s": 1.0}
             faults = [{"time": 5.0, "action": "kill", "replica": "r1", "stall_s": 1.0 - ettr_time}]
             return {"ettr_time": ettr_time, "ettr_work": ettr_time, "interval_s": 10.0,
+                    "steps_advanced": round(100 * ettr_time), "mean_step_s": 0.2,
                     "window_start_s": 1.0, "failures": 1, "history": "all generations",
                     "step_s": 0.1, **stall_summary(faults, start=0.0, end=10.0)}
         return run
@@ -95,10 +103,17 @@ def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
                                       "--rounds", "3", "--workdir", str(tmp_path / "runs"),
                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert calls == ["restart_all", "ftsystem", "ftsystem", "restart_all", "restart_all",
+    # Each system's chaos run right after its own fault-free run; the systems alternate.
+    pairs = [calls[i + 1] for i in range(0, len(calls), 2)]
+    assert all(calls[i] == f"{calls[i + 1]} fault-free" for i in range(0, len(calls), 2))
+    assert pairs == ["restart_all", "ftsystem", "ftsystem", "restart_all", "restart_all",
                      "ftsystem"]
     data = json.loads(out.read_text())
     assert data["ftsystem"]["ettr_time"] == {"median": 0.9, "min": 0.9, "max": 0.9}
     assert data["ratio"]["ettr_time"]["per_round"] == [pytest.approx(1.8)] * 3
+    # Paced: the chaos run's 90 steps at the fault-free pace (0.1 s) over its 10 s window.
+    assert data["ftsystem"]["ettr_paced"]["median"] == pytest.approx(0.9)
+    assert data["ftsystem"]["fault_free_step_s"]["median"] == pytest.approx(0.1)
+    assert data["ftsystem"]["fault_free_ettr_time"]["median"] == pytest.approx(0.97)
     assert data["restart_all"]["stall_by_action"]["kill"]["n"] == 3
     assert (tmp_path / "runs" / "round2" / "ftsystem" / "round.json").exists()

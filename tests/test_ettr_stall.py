@@ -194,3 +194,21 @@ def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_pa
     assert by_replica["r1"]["fault_time"] == kill["time"]
     assert by_replica["r2"]["fault_time"] == hang["time"]
     assert by_replica["r2"]["stall_s"] == hang["stall_s"]
+
+
+def test_paced_ettr_evens_out_jitter_that_the_median_counts_as_lost() -> None:
+    from ftsystem.measure.ettr import ettr, fault_free_pace, paced_ettr
+    # Steps alternate 0.08 and 0.12 s, no fault: the median-held figure loses 0.02 s a step
+    # pair, the paced one (against the same run's mean pace) loses nothing.
+    t, timeline = 0.0, []
+    for step in range(201):
+        timeline.append((step, t))
+        t += 0.08 if step % 2 else 0.12
+    jittery = {"r0": timeline}
+    pace = fault_free_pace(jittery)
+    assert pace == pytest.approx(0.1)
+    assert ettr(jittery, 1)["ettr_time"] < 0.91
+    assert paced_ettr(200, timeline[-1][1] - timeline[0][1], pace) == pytest.approx(1.0)
+    # A 5 s stall in a 25 s window of 200 steps at 0.1 s: 20 s of progress, 0.8.
+    assert paced_ettr(200, 25.0, pace) == pytest.approx(0.8)
+    assert paced_ettr(200, 25.0, None) is None

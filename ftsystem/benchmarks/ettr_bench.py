@@ -13,6 +13,11 @@ not counted. The baseline's commits count once, in the lineage that survived (st
 by a restart are lost work). Both systems' stalls come from ``ftsystem.measure.stall``, from each
 fault's instant (the execution of its order) to the survivors' next commit, less a normal step.
 
+Each system's chaos run follows, in the same round, a run of it free of faults
+(``--fault-free`` seconds). Its mean step is the pace of ``ettr_paced``: the steps the chaos run
+committed at that pace, over its window. ``ettr_time`` holds each gap to the run's median step
+instead, so it counts the step time's own spread as loss too (a fault-free run scores below 1).
+
 Both run at the same one timeout (``--timeout``, ftsystem's default 30 s), with the same
 meaning: ftsystem's watchdog and lease detect a hang or a partition in a third of it, and the
 baseline's only detector, its Gloo collective timeout, gets that same third
@@ -46,7 +51,9 @@ BOTH_DO = ("kill", "hang", "partition", "host-kill")
 # window at the baseline's step time (the same model and emulated compute), so that it is
 # still training when the window closes, even with no fault at all.
 STEP_MARGIN = 1.1
-TARGET = "ftsystem ettr_time >= 0.95"
+TARGET = "ftsystem ettr_paced >= 0.95"
+ETTR_FIGURES = ("ettr_time", "ettr_paced", "ettr_work")
+QUICK_FAULT_FREE_S = 15.0
 SYSTEMS = ("restart_all", "ftsystem")
 DEFAULT_TIMEOUT_S = 30.0  # ftsystem's default (RunConfig.timeout_s)
 # ftsystem's window starting this much later than the baseline's means lost history.
@@ -57,6 +64,9 @@ NOTES = [
     ("with ftsystem history 'last generation only' (no results/<replica>.commits progress "
      "files), a replica's commits before its last restart are missing: ettr_work is a lower "
      "bound, and the window starts only where every replica's last generation is under way"),
+    ("ettr_time counts every gap above the run's median step as lost, the step time's own "
+     "spread too; ettr_paced holds the steps committed to the mean pace of the same system's "
+     "run free of faults in the same round (fault_free), so that only what faults take is lost"),
 ]
 
 
@@ -91,14 +101,14 @@ def window_ettr(timelines: Mapping[str, Timeline], *, num_replicas: int,
     clipped = clip(timelines, end)
     whole = ettr.ettr(clipped, num_replicas)
     if whole["ettr_time"] is None:
-        return whole | {"tail_s": 0.0}
+        return whole | {"tail_s": 0.0, "steps_advanced": 0}
     job = ettr.job_timeline(clipped)
     tail = max(0.0, end - job[-1][1])
     interval = whole["interval_s"] + tail
     lost = (1 - whole["ettr_time"]) * whole["interval_s"] + max(0.0, tail - normal_step_time(job))
     return {"ettr_time": 1 - lost / interval,
             "ettr_work": whole["ettr_work"] * whole["interval_s"] / interval,
-            "interval_s": interval, "tail_s": tail}
+            "interval_s": interval, "tail_s": tail, "steps_advanced": job[-1][0] - job[0][0]}
 
 
 def measure(timelines: Mapping[str, Timeline], *, num_replicas: int, launched: float,
@@ -113,12 +123,14 @@ def measure(timelines: Mapping[str, Timeline], *, num_replicas: int, launched: f
             "failures": len(done),
             "failures_by_action": {a: sum(o["action"] == a for o in done)
                                    for a in sorted({o["action"] for o in done})},
-            "steps_in_window": max((s for tl in clipped.values() for s, _ in tl), default=0)}
+            "steps_in_window": max((s for tl in clipped.values() for s, _ in tl), default=0),
+            # In a round free of faults, the pace its chaos round is held to (ettr.paced_ettr).
+            "mean_step_s": ettr.fault_free_pace(clipped)}
 
 
 def ratios(ours: dict, theirs: dict) -> dict[str, float | None]:
     return {k: ours[k] / theirs[k] if ours.get(k) and theirs.get(k) else None
-            for k in ("ettr_time", "ettr_work")}
+            for k in ETTR_FIGURES}
 
 
 def run_baseline(*, spec: ChaosSpec, num_replicas: int, duration_s: float, timeout_s: float,
@@ -267,12 +279,17 @@ def ettr_bench(
                                                       "checkpoint")] = 10,
         sleep_per_step: Annotated[float, typer.Option(help="emulated compute per step (s)")
                                   ] = 0.1,
+        fault_free: Annotated[float, typer.Option(min=0, help="seconds each system trains "
+                                                  "free of faults before its chaos run, each "
+                                                  "round: the pace of ettr_paced (0: none)")
+                              ] = 60.0,
         workdir: Annotated[Path | None, typer.Option(help="keep runs and logs here (default: "
                                                      "a temporary directory)")] = None,
 ) -> None:
     """ETTR under one seeded chaos schedule: ftsystem vs synchronous restart-all (torchrun)."""
     duration = QUICK_DURATION_S if quick else duration
     rounds = 1 if quick else rounds
+    fault_free = min(fault_free, QUICK_FAULT_FREE_S) if quick else fault_free
     # A SIGTERM unwinds like Ctrl-C, so that namespaces and processes are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = _checked_spec(actions, duration, mtbf, fault_duration, seed, timeout)
@@ -288,7 +305,8 @@ def ettr_bench(
     try:
         runs = _run_rounds(spec, plan, rounds=rounds, replicas=replicas, duration_s=duration,
                            timeout_s=timeout, checkpoint_every=checkpoint_every, netns=netns,
-                           sleep_per_step=sleep_per_step, workdir=workdir)
+                           sleep_per_step=sleep_per_step, fault_free_s=fault_free,
+                           workdir=workdir)
     except (NetnsError, StoreError, EtcdNotInstalledError, EtcdStartError) as e:
         raise _fail(str(e))
     data = {**{name: aggregate(runs[name]) for name in SYSTEMS},
@@ -300,35 +318,47 @@ def ettr_bench(
                          "replicas": replicas, "rounds": rounds, "actions": list(spec.actions),
                          "fault_duration": fault_duration, "timeout_s": timeout,
                          "checkpoint_every": checkpoint_every,
-                         "sleep_per_step": sleep_per_step, "netns": netns}}
+                         "sleep_per_step": sleep_per_step, "fault_free_s": fault_free,
+                         "netns": netns}}
     _print(data)
     report.write_json(json_path, data)
 
 
 def _run_rounds(spec: ChaosSpec, plan: list[dict], *, rounds: int, replicas: int,
                 duration_s: float, timeout_s: float, checkpoint_every: int, netns: bool,
-                sleep_per_step: float, workdir: Path | None) -> dict[str, list[dict]]:
-    """Both systems ``rounds`` times, the order alternated per round. ftsystem trains a step
-    count: from the baseline's pace when one is known (the same model and emulated compute)."""
+                sleep_per_step: float, fault_free_s: float,
+                workdir: Path | None) -> dict[str, list[dict]]:
+    """Both systems ``rounds`` times, the order alternated per round. Each system's chaos run
+    follows a run of it free of faults (``fault_free_s``, 0: none) whose pace its paced ETTR
+    is held to. ftsystem trains a step count: from the baseline's pace when one is known (the
+    same model and emulated compute)."""
     train_args = ["--sleep-per-step", str(sleep_per_step)]
     pace: list[float] = []
 
-    def run(name: str, r: int, root: Path) -> dict:
-        where = root / f"round{r}" / name
-        typer.echo(f"round {r + 1}/{rounds}: {name}, {duration_s:.0f} s under "
-                   f"{len(plan)} faults ...", err=True)
+    def run_one(name: str, chaos: ChaosSpec | None, seconds: float, where: Path) -> dict:
         if name == "restart_all":
-            out = run_baseline(spec=spec, num_replicas=replicas, duration_s=duration_s,
+            out = run_baseline(spec=chaos, num_replicas=replicas, duration_s=seconds,
                                timeout_s=timeout_s, checkpoint_every=checkpoint_every,
                                netns=netns, train_args=train_args, workdir=where)
             pace.extend([out["step_s"]] if out["step_s"] else [])
-        else:
-            steps = math.ceil(STEP_MARGIN * duration_s / (pace[-1] if pace else sleep_per_step))
-            out = run_ftsystem(spec=spec, first_offset_s=plan[0]["at_s"] if plan else 0.0,
-                               num_replicas=replicas, duration_s=duration_s,
-                               timeout_s=timeout_s, num_steps=steps, netns=netns,
-                               train_args=[*train_args, "--loop", "plain"], workdir=where)
-        out["round"] = r
+            return out
+        steps = math.ceil(STEP_MARGIN * seconds / (pace[-1] if pace else sleep_per_step))
+        return run_ftsystem(spec=chaos, first_offset_s=plan[0]["at_s"] if plan and chaos else 0.0,
+                            num_replicas=replicas, duration_s=seconds, timeout_s=timeout_s,
+                            num_steps=steps, netns=netns,
+                            train_args=[*train_args, "--loop", "plain"], workdir=where)
+
+    def run(name: str, r: int, root: Path) -> dict:
+        where = root / f"round{r}" / name
+        calm = None
+        if fault_free_s > 0:
+            typer.echo(f"round {r + 1}/{rounds}: {name}, {fault_free_s:.0f} s free of faults "
+                       "...", err=True)
+            calm = run_one(name, None, fault_free_s, where / "fault_free")
+        typer.echo(f"round {r + 1}/{rounds}: {name}, {duration_s:.0f} s under "
+                   f"{len(plan)} faults ...", err=True)
+        out = run_one(name, spec, duration_s, where) | {"round": r}
+        out |= with_pace(out, calm)
         # Each round's figures as soon as it ends: a long run interrupted keeps what it measured.
         report.write_json(where / "round.json", out)
         return out
@@ -338,9 +368,23 @@ def _run_rounds(spec: ChaosSpec, plan: list[dict], *, rounds: int, replicas: int
         return report.in_rounds(SYSTEMS, rounds, lambda name, r: run(name, r, root))
 
 
-FIGURES = {"ettr_time": "ettr_time", "ettr_work": "ettr_work",
+def with_pace(chaos_run: dict, fault_free: dict | None) -> dict:
+    """The chaos run's paced ETTR against its system's run free of faults (pure)."""
+    if fault_free is None:
+        return {"ettr_paced": None, "fault_free": None}
+    pace = fault_free.get("mean_step_s")
+    return {"ettr_paced": ettr.paced_ettr(chaos_run["steps_advanced"], chaos_run["interval_s"],
+                                          pace),
+            "fault_free": {k: fault_free.get(k) for k in
+                           ("mean_step_s", "step_s", "ettr_time", "interval_s",
+                            "steps_advanced", "window_start_s")}}
+
+
+FIGURES = {"ettr_time": "ettr_time", "ettr_paced": "ettr_paced", "ettr_work": "ettr_work",
            "median_stall_s": "stall_s.median", "stall_total_s": "stall_total_s",
-           "failures": "failures", "step_s": "step_s"}
+           "failures": "failures", "step_s": "step_s",
+           "fault_free_step_s": "fault_free.mean_step_s",
+           "fault_free_ettr_time": "fault_free.ettr_time"}
 """The figures each round gives (a dotted path into its result), reported over the rounds."""
 
 
@@ -362,7 +406,7 @@ def round_ratios(ours: list[dict], theirs: list[dict]) -> dict:
     """ftsystem's ETTR over the baseline's, per round (paired within a round) and their spread."""
     pairs = [ratios(o, t) for o, t in zip(ours, theirs)]
     return {k: report.spread([p[k] for p in pairs]) | {"per_round": [p[k] for p in pairs]}
-            for k in ("ettr_time", "ettr_work")}
+            for k in ETTR_FIGURES}
 
 
 def _netns_problem() -> str | None:
@@ -379,17 +423,19 @@ def _print(data: dict) -> None:
     def row(name: str, r: dict) -> tuple:
         costs = ", ".join(f"{a} {c['n']}: {c['total_s']:.0f} s"
                           for a, c in r["stall_by_action"].items())
-        return (name, fmt(r["ettr_time"]), fmt(r["ettr_work"]), fmt(r["median_stall_s"]),
-                costs or "-", fmt(r["step_s"]))
+        return (name, fmt(r["ettr_paced"]), fmt(r["ettr_time"]), fmt(r["ettr_work"]),
+                fmt(r["median_stall_s"]), costs or "-", fmt(r["step_s"]),
+                fmt(r["fault_free_step_s"]))
     settings, ratio = data["settings"], data["ratio"]
     report.print_table(
         f"ETTR over {settings['duration_s']:.0f} s, mtbf {settings['mtbf']}, seed "
         f"{settings['seed']}, timeout {settings['timeout_s']:g} s, {settings['rounds']} "
         "round(s): median [min, max]",
-        ["system", "ETTR time", "ETTR work", "median stall (s)",
-         "faults: total stall", "normal step (s)"],
+        ["system", "ETTR paced", "ETTR time", "ETTR work", "median stall (s)",
+         "faults: total stall", "median step (s)", "fault-free pace (s)"],
         [row("ftsystem", data["ftsystem"]), row("restart-all", data["restart_all"]),
-         ("ratio", fmt(ratio["ettr_time"]), fmt(ratio["ettr_work"]), "", "", "")])
+         ("ratio", fmt(ratio["ettr_paced"]), fmt(ratio["ettr_time"]), fmt(ratio["ettr_work"]),
+          "", "", "", "")])
     for warning in data["warnings"]:
         typer.secho(warning, err=True, fg=typer.colors.YELLOW)
     typer.echo(data["machine"])
