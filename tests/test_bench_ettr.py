@@ -72,6 +72,8 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
     for name in SYSTEMS:  # each chaos run held to the pace of its own run free of faults
         run = data[name]["rounds"][0]
         assert run["fault_free"]["mean_step_s"] > 0, (name, run["fault_free"])
+        assert run["fault_free"]["spread_bound_s"] >= run["fault_free"]["step_s"] > 0, run
+        assert run["ettr_net"] is None or run["ettr_time"] <= run["ettr_net"] <= 1, (name, run)
         assert run["ettr_paced"] is None or 0 < run["ettr_paced"] < 1.5, (name, run)
     assert "ETTR over 25 s" in result.output
 
@@ -88,10 +90,13 @@ def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
             calls.append(name if spec else f"{name} fault-free")
             if spec is None:  # 100 steps in 10 s: a pace of 0.1 s
                 return {"ettr_time": 0.97, "interval_s": 10.0, "mean_step_s": 0.1,
-                        "step_s": 0.09, "steps_advanced": 100, "window_start_s": 1.0}
+                        "spread_bound_s": 0.15, "step_s": 0.09, "steps_advanced": 100,
+                        "window_start_s": 1.0}
             faults = [{"time": 5.0, "action": "kill", "replica": "r1", "stall_s": 1.0 - ettr_time}]
             return {"ettr_time": ettr_time, "ettr_work": ettr_time, "interval_s": 10.0,
                     "steps_advanced": round(100 * ettr_time), "mean_step_s": 0.2,
+                    # one stall of 1 s past a 0.1 s step, and jitter under the bound
+                    "_gaps_s": [0.1, 0.14, 1.1, 0.12], "_step_s": 0.1,
                     "window_start_s": 1.0, "failures": 1, "history": "all generations",
                     "step_s": 0.1, **stall_summary(faults, start=0.0, end=10.0)}
         return run
@@ -113,7 +118,49 @@ def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
     assert data["ratio"]["ettr_time"]["per_round"] == [pytest.approx(1.8)] * 3
     # Paced: the chaos run's 90 steps at the fault-free pace (0.1 s) over its 10 s window.
     assert data["ftsystem"]["ettr_paced"]["median"] == pytest.approx(0.9)
+    # Net: only the gap past the fault-free bound (0.15 s) is lost, by 1 s of 10.
+    assert data["ftsystem"]["ettr_net"]["median"] == pytest.approx(0.9)
+    assert "_gaps_s" not in data["ftsystem"]["rounds"][0]
     assert data["ftsystem"]["fault_free_step_s"]["median"] == pytest.approx(0.1)
     assert data["ftsystem"]["fault_free_ettr_time"]["median"] == pytest.approx(0.97)
     assert data["restart_all"]["stall_by_action"]["kill"]["n"] == 3
     assert (tmp_path / "runs" / "round2" / "ftsystem" / "round.json").exists()
+
+
+def test_remeasure_takes_the_fault_free_figures_again_from_the_kept_commit_files(tmp_path) -> None:
+    """``bench ettr-remeasure`` on a hand-made kept run: the commit files each system leaves."""
+    def write(path, timeline) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"{s} {t}\n" for s, t in timeline))
+
+    steady = [(s, 0.1 * s) for s in range(101)]  # 0.1 s a step for 10 s
+    stalled = [(s, 0.1 * s + (2.0 if s > 50 else 0.0)) for s in range(101)]  # one 2 s stall
+    root, rounds = tmp_path / "runs", {}
+    for name in SYSTEMS:
+        where = root / "round0" / name
+        if name == "ftsystem":  # a result JSON per replica, its commits beside it
+            for sub, timeline in ((where, stalled), (where / "fault_free", steady)):
+                (sub / "results").mkdir(parents=True, exist_ok=True)
+                (sub / "results" / "r0.json").write_text(json.dumps(
+                    {"replica": "r0", "commits": []}))
+                write(sub / "results" / "r0.commits", timeline)
+        else:
+            write(where / "r0.commits", stalled)
+            write(where / "fault_free" / "r0.commits", steady)
+        rounds[name] = {"round": 0, "window_end": stalled[-1][1], "ettr_time": 0.8,
+                        "ettr_work": 0.8, "faults": [], "fault_free": {"ettr_time": 0.99}}
+    out = tmp_path / "ettr.json"
+    out.write_text(json.dumps({name: {"rounds": [rounds[name]]} for name in SYSTEMS}
+                              | {"settings": {"duration_s": 12.0, "mtbf": "5s", "seed": 0,
+                                              "rounds": 1, "timeout_s": 30.0},
+                                 "warnings": [], "machine": "test"}))
+    result = CliRunner().invoke(app, ["bench", "ettr-remeasure", str(out), str(root)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    for name in SYSTEMS:  # 2 s lost of 12 s; the fault-free run's other figures kept
+        assert data[name]["ettr_net"]["median"] == pytest.approx(1 - 2.0 / 12.0), name
+        assert data[name]["rounds"][0]["fault_free"]["ettr_time"] == 0.99
+        assert data[name]["fault_free_step_s"]["median"] == pytest.approx(0.1)
+    assert data["ratio"]["ettr_net"]["median"] == pytest.approx(1.0)
+    bad = CliRunner().invoke(app, ["bench", "ettr-remeasure", str(out), str(tmp_path / "none")])
+    assert bad.exit_code == 2 and "--workdir" in bad.output

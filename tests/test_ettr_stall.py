@@ -197,7 +197,8 @@ def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_pa
 
 
 def test_paced_ettr_evens_out_jitter_that_the_median_counts_as_lost() -> None:
-    from ftsystem.measure.ettr import ettr, fault_free_pace, paced_ettr
+    from ftsystem.measure.ettr import (ettr, fault_free_pace, gaps, net_ettr, paced_ettr,
+                                       spread_bound)
     # Steps alternate 0.08 and 0.12 s, no fault: the median-held figure loses 0.02 s a step
     # pair, the paced one (against the same run's mean pace) loses nothing.
     t, timeline = 0.0, []
@@ -212,3 +213,11 @@ def test_paced_ettr_evens_out_jitter_that_the_median_counts_as_lost() -> None:
     # A 5 s stall in a 25 s window of 200 steps at 0.1 s: 20 s of progress, 0.8.
     assert paced_ettr(200, 25.0, pace) == pytest.approx(0.8)
     assert paced_ettr(200, 25.0, None) is None
+    # Net: the jitter stays under the fault-free run's slowest steps; a 5 s stall is lost.
+    bound = spread_bound(jittery)
+    assert bound == pytest.approx(0.12)
+    step_gaps = gaps(timeline)
+    assert net_ettr(step_gaps, timeline[-1][1], 0.1, bound) == pytest.approx(1.0)
+    assert net_ettr([*step_gaps, 5.1], timeline[-1][1] + 5.1, 0.1, bound) == pytest.approx(
+        1 - 5.0 / (timeline[-1][1] + 5.1))
+    assert net_ettr(step_gaps, 20.0, 0.1, None) is None

@@ -12,9 +12,13 @@ Not counted: start-up before the first commit (both) — the baseline pays its o
 
 Both measure loss against the run's own median gap, so on a machine whose step time spreads
 (2 busy cores) every gap above the median counts as lost, and a run free of faults scores
-below 1. Where a run of the same system free of faults is at hand, :func:`paced_ettr` is the
-unbiased figure: the steps committed, at that run's mean pace, over the wall time (the fraction
-of the time that made progress, as large-cluster ETTR reports count it).
+below 1. Where a run of the same system free of faults is at hand, two figures leave that
+spread out:
+- :func:`net_ettr` loses only the gaps longer than the fault-free run's slowest steps
+  (:func:`spread_bound`), each by its excess over the median step: what stalls cost;
+- :func:`paced_ettr`: the steps committed at the fault-free run's mean pace, over the wall
+  time. Where replicas share cores, one that is down speeds the others up, and this figure
+  then credits the faults with that speed (it can pass 1).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ftsystem.measure.stall import Timeline, gaps, normal_step_time
 
@@ -57,6 +61,26 @@ def fault_free_pace(timelines: Mapping[str, Timeline], *, warmup: float = 0.1) -
     if len(job) < 3:
         return None
     return (job[-1][1] - job[0][1]) / (job[-1][0] - job[0][0])
+
+
+def spread_bound(timelines: Mapping[str, Timeline], *, quantile: float = 0.99,
+                 warmup: float = 0.1) -> float | None:
+    """The ``quantile`` of a run's per-step gaps (its job timeline after the first ``warmup``
+    fraction of its steps): in a run free of faults, how slow a normal step gets."""
+    job = job_timeline(timelines)
+    steps = gaps(job[int(len(job) * warmup):])
+    if len(steps) < 2:
+        return None
+    return statistics.quantiles(steps, n=100, method="inclusive")[round(quantile * 100) - 1]
+
+
+def net_ettr(step_gaps: Sequence[float], interval_s: float, step_s: float,
+             bound_s: float | None) -> float | None:
+    """Time-based ETTR that loses only the gaps longer than ``bound_s`` (a normal step's
+    spread, :func:`spread_bound`), each by its excess over the normal step ``step_s``."""
+    if bound_s is None or interval_s <= 0:
+        return None
+    return 1.0 - sum(g - step_s for g in step_gaps if g > bound_s) / interval_s
 
 
 def paced_ettr(steps: int, interval_s: float, pace_s: float | None) -> float | None:
