@@ -84,3 +84,36 @@ def test_a_frozen_store_names_its_host_late_within_the_store_timeout_or_at_once_
     finally:
         host.kill()
         host.join()
+
+
+def test_an_early_read_still_unanswered_at_the_bound_names_the_store_host_whatever_the_poll_timing(
+        monkeypatch):
+    """The early read starts at the first poll past bound - lead, the check at the first poll
+    past the bound: the read may have waited a little less than lead. It must still count as
+    the store's silence (it once cost a second read and a store timeout, at random, 4 s)."""
+    from ftsystem.training import ftar as module
+    from ftsystem.training.ftar import Stragglers, _MarksRead, _StragglerCheck
+
+    now = [100.0]
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                        sleep=time.sleep))
+    epoch = Epoch(number=1, members=("r0", "r1"))
+    control = SimpleNamespace(epoch=epoch, ctx=SimpleNamespace(job="j", replica_id="r1"))
+    ftar = FaultTolerantAllReduce(control, timeout_s=TIMEOUT_S)
+    reads = []
+
+    def silent_read(epoch, step):  # a frozen store: no read is ever answered
+        reads.append(_MarksRead(now[0]))
+        return reads[-1]
+    monkeypatch.setattr(ftar, "_read_marks", silent_read)
+
+    check = _StragglerCheck(ftar, epoch, 7, bound_s=2.0)
+    now[0] = check.check_at - check.lead_s + 0.002  # the poll that starts the early read
+    check.poll()
+    assert len(reads) == 1
+    now[0] = check.check_at + 0.001  # the first poll past the bound
+    started = time.monotonic()
+    with pytest.raises(Stragglers) as raised:
+        check.poll()
+    assert raised.value.late == ("r0",) and len(reads) == 1  # no second read
+    assert time.monotonic() - started < ARRIVAL_STORE_TIMEOUT_S / 2

@@ -514,7 +514,10 @@ class _StragglerCheck:
         if self.early is None and now > self.check_at - self.lead_s:
             self.early = self.ftar._read_marks(self.epoch, self.step)
         if now > self.check_at:
-            late = self.ftar._late_members(self.epoch, self.step, self.early, self.lead_s)
+            # The early read started at the first poll past its instant, this check runs at
+            # the first poll past the bound: the read may have waited a poll less than lead_s.
+            # Half of it is silence enough, and no coin toss between the two polls.
+            late = self.ftar._late_members(self.epoch, self.step, self.early, self.lead_s / 2)
             if late:
                 raise Stragglers(late, self.step, self.bound_s)
             self._arm(now)  # everyone is there: the collective itself is slow
