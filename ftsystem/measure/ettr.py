@@ -80,6 +80,9 @@ def net_ettr(step_gaps: Sequence[float], interval_s: float, step_s: float,
     spread, :func:`spread_bound`), each by its excess over the normal step ``step_s``."""
     if bound_s is None or interval_s <= 0:
         return None
+    # A gap within a normal step is never lost, even where this run's steps are slower than
+    # the fault-free run's slowest.
+    bound_s = max(bound_s, step_s)
     return 1.0 - sum(g - step_s for g in step_gaps if g > bound_s) / interval_s
 
 
