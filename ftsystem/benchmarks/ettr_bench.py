@@ -290,7 +290,8 @@ def ettr_bench(
                                   ] = 0.1,
         fault_free: Annotated[float, typer.Option(min=0, help="seconds each system trains "
                                                   "free of faults before its chaos run, each "
-                                                  "round: the pace of ettr_paced (0: none)")
+                                                  "round: the spread and pace that ettr_net and "
+                                                  "ettr_paced hold it to (0: none)")
                               ] = 60.0,
         workdir: Annotated[Path | None, typer.Option(help="keep runs and logs here (default: "
                                                      "a temporary directory)")] = None,
@@ -382,8 +383,8 @@ def _run_rounds(spec: ChaosSpec, plan: list[dict], *, rounds: int, replicas: int
                 sleep_per_step: float, fault_free_s: float,
                 workdir: Path | None) -> dict[str, list[dict]]:
     """Both systems ``rounds`` times, the order alternated per round. Each system's chaos run
-    follows a run of it free of faults (``fault_free_s``, 0: none) whose pace its paced ETTR
-    is held to. ftsystem trains a step count: from the baseline's pace when one is known (the
+    follows a run of it free of faults (``fault_free_s``, 0: none): the step time's spread and
+    pace that its ``ettr_net`` and ``ettr_paced`` are held to. ftsystem trains a step count: from the baseline's pace when one is known (the
     same model and emulated compute)."""
     train_args = ["--sleep-per-step", str(sleep_per_step)]
     pace: list[float] = []
