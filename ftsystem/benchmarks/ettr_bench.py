@@ -132,9 +132,10 @@ def measure(timelines: Mapping[str, Timeline], *, num_replicas: int, launched: f
             "failures_by_action": {a: sum(o["action"] == a for o in done)
                                    for a in sorted({o["action"] for o in done})},
             "steps_in_window": max((s for tl in clipped.values() for s, _ in tl), default=0),
-            # In a run free of faults: the pace and the spread its chaos run is held to.
-            "mean_step_s": ettr.fault_free_pace(clipped),
-            "spread_bound_s": ettr.spread_bound(clipped)}
+            # Of a run free of faults, what its chaos run is held to (``with_fault_free``);
+            # meaningless for a chaos run, so kept out of its JSON.
+            "_mean_step_s": ettr.fault_free_pace(clipped),
+            "_spread_bound_s": ettr.spread_bound(clipped)}
 
 
 def ratios(ours: dict, theirs: dict) -> dict[str, float | None]:
@@ -355,7 +356,7 @@ def remeasured(run: dict, where: Path, name: str) -> dict:
     chaos = window_ettr(kept_timelines(name, where), num_replicas=1, end=run["window_end"])
     calm = kept_timelines(name, where / "fault_free")
     fault_free = (run.get("fault_free") or {}) | {
-        "mean_step_s": ettr.fault_free_pace(calm), "spread_bound_s": ettr.spread_bound(calm)}
+        "_mean_step_s": ettr.fault_free_pace(calm), "_spread_bound_s": ettr.spread_bound(calm)}
     return run | with_fault_free(run | chaos, fault_free if calm else None)
 
 
@@ -428,14 +429,15 @@ def with_fault_free(chaos_run: dict, fault_free: dict | None) -> dict:
     faults (pure): ``ettr_net`` past that run's slowest steps, ``ettr_paced`` at its pace."""
     if fault_free is None:
         return {"ettr_net": None, "ettr_paced": None, "fault_free": None}
+    summary = {k: fault_free.get(k) for k in
+               ("step_s", "ettr_time", "interval_s", "steps_advanced", "window_start_s")} | {
+        "mean_step_s": fault_free.get("_mean_step_s"),
+        "spread_bound_s": fault_free.get("_spread_bound_s")}
     return {"ettr_net": ettr.net_ettr(chaos_run.get("_gaps_s", []), chaos_run["interval_s"],
-                                      chaos_run.get("_step_s", 0.0),
-                                      fault_free.get("spread_bound_s")),
+                                      chaos_run.get("_step_s", 0.0), summary["spread_bound_s"]),
             "ettr_paced": ettr.paced_ettr(chaos_run["steps_advanced"], chaos_run["interval_s"],
-                                          fault_free.get("mean_step_s")),
-            "fault_free": {k: fault_free.get(k) for k in
-                           ("mean_step_s", "spread_bound_s", "step_s", "ettr_time",
-                            "interval_s", "steps_advanced", "window_start_s")}}
+                                          summary["mean_step_s"]),
+            "fault_free": summary}
 
 
 FIGURES = {"ettr_net": "ettr_net", "ettr_time": "ettr_time", "ettr_paced": "ettr_paced",

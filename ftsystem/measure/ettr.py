@@ -56,8 +56,7 @@ def ettr(timelines: Mapping[str, Timeline], num_replicas: int) -> dict[str, floa
 def fault_free_pace(timelines: Mapping[str, Timeline], *, warmup: float = 0.1) -> float | None:
     """Mean seconds per step of a run free of faults, over its job timeline after the first
     ``warmup`` fraction of its steps (the first steps pay for caches and lazy set-up)."""
-    job = job_timeline(timelines)
-    job = job[int(len(job) * warmup):]
+    job = _settled(timelines, warmup)
     if len(job) < 3:
         return None
     return (job[-1][1] - job[0][1]) / (job[-1][0] - job[0][0])
@@ -67,11 +66,16 @@ def spread_bound(timelines: Mapping[str, Timeline], *, quantile: float = 0.99,
                  warmup: float = 0.1) -> float | None:
     """The ``quantile`` of a run's per-step gaps (its job timeline after the first ``warmup``
     fraction of its steps): in a run free of faults, how slow a normal step gets."""
-    job = job_timeline(timelines)
-    steps = gaps(job[int(len(job) * warmup):])
+    steps = gaps(_settled(timelines, warmup))
     if len(steps) < 2:
         return None
     return statistics.quantiles(steps, n=100, method="inclusive")[round(quantile * 100) - 1]
+
+
+def _settled(timelines: Mapping[str, Timeline], warmup: float) -> list[tuple[int, float]]:
+    """The job timeline without its first ``warmup`` fraction of steps."""
+    job = job_timeline(timelines)
+    return job[int(len(job) * warmup):]
 
 
 def net_ettr(step_gaps: Sequence[float], interval_s: float, step_s: float,
