@@ -347,12 +347,26 @@ def summarize(samples: list[float]) -> dict[str, float]:
             "mean": float(values.mean()), "max": float(values.max())}
 
 
-def run(cfg: BenchConfig) -> dict:
-    """The benchmark's JSON (without ``machine``)."""
-    with tempfile.TemporaryDirectory(prefix="ftsystem-bench-controller-") as tmp:
-        workdir = Path(tmp)
-        with _etcd(cfg.etcd, workdir) as url:
-            raw = asyncio.run(measure(cfg, url, workdir))
+def run(cfg: BenchConfig, rounds: int = 1) -> list[dict]:
+    """The benchmark's JSON (without ``machine``) for each of ``rounds`` rounds, each on an etcd
+    of its own.
+
+    All rounds share one event loop: grpc.aio binds its completion queue to the loops that used
+    it, and a later loop in the same process has been seen to wait forever for the cancellation
+    of a stream (the in-process leader's) whose completion went to a closed one.
+    """
+    async def all_rounds() -> list[dict]:
+        results = []
+        for _ in range(rounds):
+            with tempfile.TemporaryDirectory(prefix="ftsystem-bench-controller-") as tmp:
+                workdir = Path(tmp)
+                with _etcd(cfg.etcd, workdir) as url:  # blocks the loop, idle until measured
+                    results.append(_round_result(cfg, await measure(cfg, url, workdir)))
+        return results
+    return asyncio.run(all_rounds())
+
+
+def _round_result(cfg: BenchConfig, raw: dict) -> dict:
     return {"replicas": cfg.num_replicas, "revokes": len(raw["decisions"]),
             "decision_latency_s": summarize(raw["decisions"]), "target_p99_s": TARGET_P99_S,
             "registration_s": raw["registration_s"], "first_epoch_s": raw["first_epoch_s"],
@@ -1419,11 +1433,16 @@ async def _time_lease_end(cfg: NodesConfig, store: Store, watcher: EpochWatcher,
     return seen - t0
 
 
-def run_nodes(cfg: NodesConfig) -> dict:
-    """The nodes benchmark's JSON (without ``machine``)."""
-    with _workdir(cfg.logs_dir) as workdir, _etcd(cfg.etcd, workdir) as url:
-        raw = asyncio.run(measure_nodes(cfg, url, workdir))
-    return nodes_result(cfg, raw)
+def run_nodes(cfg: NodesConfig, rounds: int = 1) -> list[dict]:
+    """The nodes benchmark's JSON (without ``machine``) for each round; one event loop for all
+    of them, as in :func:`run`."""
+    async def all_rounds() -> list[dict]:
+        results = []
+        for _ in range(rounds):
+            with _workdir(cfg.logs_dir) as workdir, _etcd(cfg.etcd, workdir) as url:
+                results.append(nodes_result(cfg, await measure_nodes(cfg, url, workdir)))
+        return results
+    return asyncio.run(all_rounds())
 
 
 @contextmanager
@@ -1625,7 +1644,7 @@ def controller_bench(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--nodes") from e
         try:
-            runs = [run_nodes(ncfg) for _ in range(rounds)]
+            runs = run_nodes(ncfg, rounds)
         except (StoreError, RuntimeError) as e:
             raise _fail(str(e))
         result = with_rounds(runs, NODES_ROUND_FIGURES)
@@ -1641,7 +1660,7 @@ def controller_bench(
         num_revokes=revokes or (QUICK_REVOKES if quick else FULL_REVOKES),
         etcd=etcd, controller=controller)
     try:
-        result = with_rounds([run(cfg) for _ in range(rounds)], ROUND_FIGURES)
+        result = with_rounds(run(cfg, rounds), ROUND_FIGURES)
     except (StoreError, RuntimeError) as e:  # BenchError, etcd not installed or not starting
         raise _fail(str(e))
     result["machine"] = machine()
