@@ -28,6 +28,16 @@ def test_summary_gives_each_figure_over_the_rounds() -> None:
     assert summary["loopback_bytes_per_s"]["median"] == 4e9
 
 
+def test_the_join_step_stall_is_the_members_gap_at_the_joiners_first_commit() -> None:
+    # Members step every 0.2 s; the start of the joiner slows step 3 (0.5 s), the join at
+    # step 5 takes 0.3 s; the joiner commits step 5 first.
+    member = [(1, 0.0), (2, 0.2), (3, 0.7), (4, 0.9), (5, 1.2), (6, 1.4), (7, 1.6)]
+    measured = rejoin._measure({"r0": member}, [(5, 1.2), (6, 1.4)], launched=0.1)
+    assert measured["join_stall_s"] == pytest.approx(0.3)  # the window's worst: step 3
+    assert measured["join_step_stall_s"] == pytest.approx(0.1)  # the join's own
+    assert rejoin._measure({"r0": member}, [(9, 2.0)], 0.1)["join_step_stall_s"] is None
+
+
 def test_loopback_rate_is_measured() -> None:
     assert loopback_rate(64 << 20, 1) > 10e6  # 10 MB/s: far below any loopback
 
@@ -78,7 +88,8 @@ def test_quick_run_writes_every_figure(tmp_path) -> None:
     assert data["rounds"] == 1 and data["loopback_bytes_per_s"]["median"] > 0
     (size,) = data["sizes"]
     ours = size["ftsystem"]
-    for figure in ("join_stall_s", "time_to_join_s", "transfer_bytes_per_s", "step_s"):
+    for figure in ("join_stall_s", "join_step_stall_s", "time_to_join_s",
+                   "transfer_bytes_per_s", "step_s"):
         assert set(ours[figure]) == {"median", "min", "max"}, figure
     assert ours["time_to_join_s"]["median"] > 0 and ours["transfer_bytes_per_s"]["median"] > 0
     assert ours["rounds"][0]["catchup"]["snapshot_bytes"] > 0

@@ -70,8 +70,9 @@ QUICK_LOOPBACK = (256 << 20, 1)
 TARGETS = {"transfer_bytes_per_s": "ftsystem >= 1e9 and >= 0.2 x loopback at 100M",
            "join_stall_s": "ftsystem <= torchft at every size",
            "time_to_join_s": "ftsystem <= torchft at 100M"}
-FIGURES = {"join_stall_s": "join_stall_s", "time_to_join_s": "time_to_join_s",
-           "transfer_bytes_per_s": "transfer_bytes_per_s", "step_s": "step_s"}
+FIGURES = {"join_stall_s": "join_stall_s", "join_step_stall_s": "join_step_stall_s",
+           "time_to_join_s": "time_to_join_s", "transfer_bytes_per_s": "transfer_bytes_per_s",
+           "step_s": "step_s"}
 """What each run gives, reported over the rounds (see ``report.per_round``)."""
 # torchft's HTTPTransport logs "fetching checkpoint from <url> took <seconds>s".
 TORCHFT_FETCH = re.compile(r"fetching checkpoint from \S+ took ([0-9.e-]+)s")
@@ -215,13 +216,26 @@ def state_bytes(params: int) -> int:
 
 def _measure(members: dict, joiner_commits: list, launched: float) -> dict:
     if not joiner_commits:
-        return {"join_stall_s": None, "time_to_join_s": None, "step_s": None}
-    joined = joiner_commits[0][1]
+        return {"join_stall_s": None, "time_to_join_s": None, "step_s": None,
+                "join_step_stall_s": None}
+    join_step, joined = joiner_commits[0]
     stalls = [s for tl in members.values()
               if (s := stall.window_stall(tl, launched, joined)) is not None]
+    at_join = [s for tl in members.values() if (s := _step_stall(tl, join_step)) is not None]
     return {"join_stall_s": max(stalls, default=None), "time_to_join_s": joined - launched,
             "step_s": stall.distribution([stall.normal_step_time(tl)
-                                          for tl in members.values()])["median"]}
+                                          for tl in members.values()])["median"],
+            "join_step_stall_s": max(at_join, default=None)}
+
+
+def _step_stall(timeline: list, step: int) -> float | None:
+    """How much longer than a normal step the members took to commit ``step``, the joiner's
+    first: the join itself, apart from the joiner's start slowing the members' compute on a
+    shared machine (the rest of ``join_stall_s``'s window)."""
+    times = dict((s, t) for s, t in timeline)
+    if step not in times or step - 1 not in times:
+        return None
+    return max(0.0, times[step] - times[step - 1] - stall.normal_step_time(timeline))
 
 
 def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Path) -> dict:
@@ -304,7 +318,7 @@ def _rows(summary: dict) -> list[tuple]:
                 f"[{figure['min'] / scale:.{digits}f}, {figure['max'] / scale:.{digits}f}]")
     loopback = cell(summary["loopback_bytes_per_s"], 1e9)
     return [(size["params"], name, cell(r["step_s"]), cell(r["join_stall_s"]),
-             cell(r["time_to_join_s"]), cell(r["transfer_bytes_per_s"], 1e9), loopback)
+             cell(r["join_step_stall_s"], digits=3), cell(r["time_to_join_s"]), cell(r["transfer_bytes_per_s"], 1e9), loopback)
             for size in summary["sizes"] for name, r in size.items() if isinstance(r, dict)]
 
 
@@ -344,5 +358,5 @@ def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write 
     report.print_table("rejoin: members' stall, joiner's time to join, transfer rate "
                        "(median [min, max] over rounds)",
                        ["params", "system", "normal step (s)", "join stall (s)",
-                        "time to join (s)", "transfer (GB/s)", "loopback (GB/s)"],
+                        "at the join step (s)", "time to join (s)", "transfer (GB/s)", "loopback (GB/s)"],
                        _rows(summary))

@@ -677,7 +677,8 @@ class FTReplica:
                                 "time": time.time(), "seconds": took,
                                 "members": list(epoch.members)})
             metrics.EPOCH_CHANGE.labels(*self._labels, epoch.reason).observe(took)
-            self.control.register(state=self._member_state, step=self.step)
+            # Not waited for: an etcd write (a WAL fsync) would add to every member's stall.
+            self.control.register(state=self._member_state, step=self.step, wait=False)
             return verdict.replaced
         finally:
             metrics.STALL.labels(*self._labels).inc(time.monotonic() - started)

@@ -249,13 +249,18 @@ class ControlPlane:
         """Rank 0 alone publishes the replica's registration; the other ranks only follow."""
         return self.ctx.rank == 0
 
-    def register(self, **changes: Any) -> None:
-        """Publish this replica's registration (bound to the agent's lease), waiting for it;
+    def register(self, *, wait: bool = True, **changes: Any) -> None:
+        """Publish this replica's registration (bound to the agent's lease), waiting for it
+        unless ``wait`` is False (then a failure is logged, and writes keep their order);
         every rank publishes its own metrics endpoint."""
         if addr := changes.get("metrics_addr"):
             self._bg.run(self._put_metrics_addr(addr), timeout=self.ctx.timeout_s)
-        if self.speaks_for_replica:
+        if not self.speaks_for_replica:
+            return
+        if wait:
             self._bg.run(self._put_registration(changes), timeout=self.ctx.timeout_s)
+        else:
+            self._bg.submit(self._put_registration(changes)).add_done_callback(_log_failure)
 
     def report(self, **changes: Any) -> None:
         """Publish without waiting (step progress), at most every ``PROGRESS_INTERVAL_S`` unless
@@ -330,3 +335,8 @@ class ControlPlane:
             self._bg.run(self._store.close(), timeout=5)
         finally:
             self._bg.stop()
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and (error := future.exception()) is not None:
+        logging.getLogger(__name__).warning("registration not published: %s", error)
