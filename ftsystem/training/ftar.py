@@ -180,7 +180,7 @@ class FaultTolerantAllReduce:
         """Use the group of ``epoch``; returns when every member has joined it.
 
         The group is built on a thread of its own (:meth:`prepare`), started as soon as the
-        epoch is published (:meth:`_watch_epochs`): while this member still finishes a
+        epoch is published (:meth:`watch`): while this member still finishes a
         step in the old epoch, the rendezvous of the new one goes on, as torchft's quorum
         runs beside the forward pass. This waits for that build (a newer epoch or the
         timeout interrupts the wait) and adopts it.
@@ -203,7 +203,7 @@ class FaultTolerantAllReduce:
             self._abandon(stale)
         self.abort()
         self._pg, self._arrivals, self.epoch = build.pg, build.arrivals, epoch
-        self._watch_epochs()
+        self.watch(newer_than=epoch.number)
 
     def prepare(self, epoch: Epoch) -> "_Build":
         """Start building the group of ``epoch`` on a thread of its own (once per epoch).
@@ -272,14 +272,16 @@ class FaultTolerantAllReduce:
         if pg is not None:
             self._abort_in_background(pg)
 
-    def _watch_epochs(self) -> None:
-        """Once configured: prepare every epoch published with this replica as a trainable
-        member, on a thread that waits for them (started once)."""
+    def watch(self, newer_than: int) -> None:
+        """Prepare every epoch numbered above ``newer_than`` published with this replica as a
+        trainable member, on a thread that waits for them (started once: by the first
+        ``configure``, or earlier by a joiner, so that its group of the join epoch is built
+        from the moment the epoch is published, whatever its training thread is doing)."""
         if self._watcher is not None:
             return
 
         def watch() -> None:
-            seen = self.epoch.number
+            seen = newer_than
             while not self._closed:
                 epoch = self.control.wait_for_epoch(seen, WATCH_POLL_S)
                 if epoch is None or self._closed:

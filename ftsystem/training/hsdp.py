@@ -293,6 +293,8 @@ class FTReplica:
         elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
         self.replica.barrier()  # the replica is ready when every rank is
+        if not stopped:  # the join epoch's group is built as soon as it is published
+            self.ftar.watch(newer_than=self.control.epoch.number)
         self.control.register(state=ReplicaState.READY, step=self.step, catchup={},
                               **addresses)
         if self._offers_join_step:  # its zeros, ready before the members come to sum them
