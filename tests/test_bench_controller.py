@@ -136,8 +136,8 @@ def test_nodes_must_divide_into_replicas() -> None:
 def test_bench_controller_nodes_mode_writes_its_json(tmp_path) -> None:
     """512 node agents (2 processes) over 8 replicas: every lease end and join is an epoch."""
     out = tmp_path / "controller_nodes.json"
-    result = _bench_in_a_process("--nodes", "512", "--replicas", "8", "--revokes", "3", "--processes", "2",
-                                 "--window", "2", "--json", str(out))
+    result = _bench_in_a_process("--nodes", "512", "--replicas", "8", "--revokes", "3",
+                                 "--processes", "2", "--window", "2", "--json", str(out))
     data = json.loads(out.read_text())
     assert data["mode"] == "nodes" and "machine" in data
     assert data["config"]["nodes"] == 512 and data["config"]["replicas"] == 8

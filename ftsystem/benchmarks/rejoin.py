@@ -318,7 +318,8 @@ def _rows(summary: dict) -> list[tuple]:
                 f"[{figure['min'] / scale:.{digits}f}, {figure['max'] / scale:.{digits}f}]")
     loopback = cell(summary["loopback_bytes_per_s"], 1e9)
     return [(size["params"], name, cell(r["step_s"]), cell(r["join_stall_s"]),
-             cell(r["join_step_stall_s"], digits=3), cell(r["time_to_join_s"]), cell(r["transfer_bytes_per_s"], 1e9), loopback)
+             cell(r["join_step_stall_s"], digits=3), cell(r["time_to_join_s"]),
+             cell(r["transfer_bytes_per_s"], 1e9), loopback)
             for size in summary["sizes"] for name, r in size.items() if isinstance(r, dict)]
 
 
@@ -358,5 +359,6 @@ def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write 
     report.print_table("rejoin: members' stall, joiner's time to join, transfer rate "
                        "(median [min, max] over rounds)",
                        ["params", "system", "normal step (s)", "join stall (s)",
-                        "at the join step (s)", "time to join (s)", "transfer (GB/s)", "loopback (GB/s)"],
+                        "at the join step (s)", "time to join (s)", "transfer (GB/s)",
+                        "loopback (GB/s)"],
                        _rows(summary))
