@@ -98,3 +98,33 @@ def test_a_published_epoch_is_built_before_it_is_configured_and_a_superseded_one
     closed = ftars[0].prepare(epoch(5))  # after shutdown nothing is built
     assert closed.done.is_set() and isinstance(closed.error, EpochChanged)
     assert not ftars[0]._builds
+
+
+def test_a_joiner_that_watches_before_its_first_configure_has_the_join_epoch_built():
+    """``watch`` before any ``configure`` (a joiner that registered ready): the first epoch
+    naming it is built by the watchers alone, and configuring it adopts that build."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=TIMEOUT_S))
+    views = [PublishedEpochs(m) for m in MEMBERS]
+    ftars = [FaultTolerantAllReduce(v, timeout_s=TIMEOUT_S) for v in views]
+    joined = Epoch(number=3, members=MEMBERS, store_addr=f"127.0.0.1:{server.port}")
+    try:
+        for view, ftar in zip(views, ftars):
+            view.publish(Epoch(number=2, members=(view.ctx.replica_id,), store_addr="x:1"))
+            ftar.watch(newer_than=2)
+            view.publish(joined)
+        wait_for(lambda: all(3 in f._builds for f in ftars), TIMEOUT_S, "the watchers' builds")
+        builds = [f._builds[3] for f in ftars]
+        assert all(b.done.wait(TIMEOUT_S) and b.error is None for b in builds)
+        with ThreadPoolExecutor(len(MEMBERS)) as pool:
+            _on_both(pool, lambda i: ftars[i].configure(joined))
+            assert [f._pg for f in ftars] == [b.pg for b in builds]  # adopted, not rebuilt
+
+            def summed(i: int) -> float:
+                tensor = torch.tensor([float(i + 1)])
+                ftars[i].allreduce_sum(tensor)
+                return tensor.item()
+            assert _on_both(pool, summed) == [3.0, 3.0]
+    finally:
+        for ftar in ftars:
+            ftar.shutdown()

@@ -33,7 +33,7 @@ import time
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterator, Optional
 
 import typer
 
@@ -349,20 +349,22 @@ def summarize(samples: list[float]) -> dict[str, float]:
 
 def run(cfg: BenchConfig, rounds: int = 1) -> list[dict]:
     """The benchmark's JSON (without ``machine``) for each of ``rounds`` rounds, each on an etcd
-    of its own.
+    of its own."""
+    async def one_round() -> dict:
+        with tempfile.TemporaryDirectory(prefix="ftsystem-bench-controller-") as tmp:
+            workdir = Path(tmp)
+            with _etcd(cfg.etcd, workdir) as url:  # blocks the loop, idle until measured
+                return _round_result(cfg, await measure(cfg, url, workdir))
+    return _in_one_loop(rounds, one_round)
 
-    All rounds share one event loop: grpc.aio binds its completion queue to the loops that used
-    it, and a later loop in the same process has been seen to wait forever for the cancellation
-    of a stream (the in-process leader's) whose completion went to a closed one.
-    """
+
+def _in_one_loop(rounds: int, one_round: Callable[[], Awaitable[dict]]) -> list[dict]:
+    """``one_round`` run ``rounds`` times in one event loop: grpc.aio binds its completion queue
+    to the loops that used it, and a later loop in the same process has been seen to wait
+    forever for the cancellation of a stream (the in-process leader's) whose completion went
+    to a closed one."""
     async def all_rounds() -> list[dict]:
-        results = []
-        for _ in range(rounds):
-            with tempfile.TemporaryDirectory(prefix="ftsystem-bench-controller-") as tmp:
-                workdir = Path(tmp)
-                with _etcd(cfg.etcd, workdir) as url:  # blocks the loop, idle until measured
-                    results.append(_round_result(cfg, await measure(cfg, url, workdir)))
-        return results
+        return [await one_round() for _ in range(rounds)]
     return asyncio.run(all_rounds())
 
 
@@ -1434,15 +1436,11 @@ async def _time_lease_end(cfg: NodesConfig, store: Store, watcher: EpochWatcher,
 
 
 def run_nodes(cfg: NodesConfig, rounds: int = 1) -> list[dict]:
-    """The nodes benchmark's JSON (without ``machine``) for each round; one event loop for all
-    of them, as in :func:`run`."""
-    async def all_rounds() -> list[dict]:
-        results = []
-        for _ in range(rounds):
-            with _workdir(cfg.logs_dir) as workdir, _etcd(cfg.etcd, workdir) as url:
-                results.append(nodes_result(cfg, await measure_nodes(cfg, url, workdir)))
-        return results
-    return asyncio.run(all_rounds())
+    """The nodes benchmark's JSON (without ``machine``) for each round."""
+    async def one_round() -> dict:
+        with _workdir(cfg.logs_dir) as workdir, _etcd(cfg.etcd, workdir) as url:
+            return nodes_result(cfg, await measure_nodes(cfg, url, workdir))
+    return _in_one_loop(rounds, one_round)
 
 
 @contextmanager

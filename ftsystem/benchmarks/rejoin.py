@@ -232,7 +232,7 @@ def _step_stall(timeline: list, step: int) -> float | None:
     """How much longer than a normal step the members took to commit ``step``, the joiner's
     first: the join itself, apart from the joiner's start slowing the members' compute on a
     shared machine (the rest of ``join_stall_s``'s window)."""
-    times = dict((s, t) for s, t in timeline)
+    times = dict(timeline)
     if step not in times or step - 1 not in times:
         return None
     return max(0.0, times[step] - times[step - 1] - stall.normal_step_time(timeline))
