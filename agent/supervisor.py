@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import tempfile
@@ -177,6 +178,12 @@ class Agent:
     async def run(self) -> int:
         """Supervise until the replica finishes (0), gives up (1), is refused (2), halts (3)
         or is told to stop (130)."""
+        try:
+            return await self._run()
+        finally:  # its lease file and the ranks' heartbeats; nobody reads them any more
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def _run(self) -> int:
         await self.store.connect()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -59,12 +60,13 @@ def _create(etcd_url: str, job: str, directory: Path) -> None:
     asyncio.run(create())
 
 
-def _agent(etcd_url: str, job: str, program: str, *flags: str) -> subprocess.CompletedProcess:
+def _agent(etcd_url: str, job: str, program: str, *flags: str,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd_url, "--job", job,
          "--replica-id", "r0", "--insecure", "--max-restarts", "2", *flags, "--",
          sys.executable, "-c", textwrap.dedent(program)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_an_agent_whose_timeout_contradicts_the_spec_is_refused(etcd, job_id, tmp_path):
@@ -78,17 +80,21 @@ def test_an_agent_whose_timeout_contradicts_the_spec_is_refused(etcd, job_id, tm
 
 def test_the_ranks_run_with_the_spec_settings(etcd, job_id, tmp_path):
     _create(etcd.url, job_id, tmp_path / "ckpt")
-    seen = tmp_path / "env.json"
+    seen, tmp = tmp_path / "env.json", tmp_path / "tmp"
+    tmp.mkdir()
     proc = _agent(etcd.url, job_id, f"""
         import json, os
         names = ["FTSYSTEM_TIMEOUT_S", "FTSYSTEM_CHECKPOINT_DIR", "FTSYSTEM_CHECKPOINT_EVERY",
-                 "FTSYSTEM_CHECKPOINT_KEEP"]
+                 "FTSYSTEM_CHECKPOINT_KEEP", "FTSYSTEM_HEARTBEAT"]
         json.dump({{n: os.environ.get(n) for n in names}}, open({str(seen)!r}, "w"))
-    """)
+    """, env=os.environ | {"TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(seen.read_text()) == {
+    settings = json.loads(seen.read_text())
+    assert settings.pop("FTSYSTEM_HEARTBEAT").startswith(str(tmp / "ftsystem-agent-r0-"))
+    assert settings == {
         "FTSYSTEM_TIMEOUT_S": "12", "FTSYSTEM_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
         "FTSYSTEM_CHECKPOINT_EVERY": "5", "FTSYSTEM_CHECKPOINT_KEEP": "2"}
+    assert list(tmp.iterdir()) == [], "the agent leaves its working directory behind"
 
 
 def test_a_job_deleted_under_a_running_agent_stops_it_instead_of_a_restart(
