@@ -57,8 +57,11 @@ def _serve_store(ports) -> None:
 
 def test_a_frozen_store_names_its_host_late_within_the_store_timeout_or_at_once_after_an_early_read():
     """members[0] hosts the epoch's store; SIGSTOPped, it never answers a check of the marks."""
-    ports = multiprocessing.Queue()
-    host = multiprocessing.Process(target=_serve_store, args=(ports,), daemon=True)
+    # spawn, not fork: a fork copies whatever lock another test's thread (gRPC's, the
+    # etcd client's) held at that instant, and the child then never got to serve its store.
+    spawn = multiprocessing.get_context("spawn")
+    ports = spawn.Queue()
+    host = spawn.Process(target=_serve_store, args=(ports,), daemon=True)
     host.start()
     try:
         epoch = Epoch(number=1, members=("r0", "r1"))
