@@ -15,7 +15,12 @@ import httpx
 
 import pytest
 
+from ftsystem.cli import register_subcommands
 from ftsystem.control.etcd_server import EmbeddedEtcd, free_port
+
+# The tests drive the whole CLI through ``ftsystem.cli.app`` (typer's CliRunner); ``main``
+# registers the sub-commands per invocation, so register them all here.
+register_subcommands()
 
 T = TypeVar("T")
 API_TOKEN = "test-api-token"
