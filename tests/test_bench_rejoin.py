@@ -38,6 +38,17 @@ def test_the_join_step_stall_is_the_members_gap_at_the_joiners_first_commit() ->
     assert rejoin._measure({"r0": member}, [(9, 2.0)], 0.1)["join_step_stall_s"] is None
 
 
+def test_the_window_takes_in_the_joiners_first_computed_step() -> None:
+    # The joiner's commit of step 5 (with zeros) is stamped a hair before the members'; its
+    # first forward and backward (a fresh process) holds step 6 up to 0.45 s: part of the
+    # join's cost, which a window ending at its first commit would miss.
+    member = [(1, 0.0), (2, 0.2), (3, 0.4), (4, 0.6), (5, 0.8), (6, 1.25), (7, 1.45)]
+    measured = rejoin._measure({"r0": member}, [(5, 0.7999), (6, 1.25)], launched=0.1)
+    assert measured["join_stall_s"] == pytest.approx(0.25)
+    # A joiner that commits once (it joined at the last step): the window ends there.
+    assert rejoin._measure({"r0": member}, [(5, 0.7999)], 0.1)["join_stall_s"] == 0.0
+
+
 def test_loopback_rate_is_measured() -> None:
     assert loopback_rate(64 << 20, 1) > 10e6  # 10 MB/s: far below any loopback
 

@@ -2,8 +2,15 @@
 
 For each model size, the same scenario on three systems in one invocation: two members train;
 a third replica is launched mid-run and joins. Measured: the members' stall (their longest
-inter-commit gap from the joiner's launch to its first commit, minus their normal step time),
+inter-commit gap from the joiner's launch to its second commit, minus their normal step time),
 the joiner's time from launch to its first commit, and the rate of its state transfer.
+
+The window takes in the step after the join: a joiner's first forward and backward runs in a
+fresh process (cold caches, first allocations), and the members wait for it at that step's
+all-reduce. torchft's joiner computes it in the step it heals at; ftsystem's joiner takes its
+join step with zeros (``FTReplica._take_join_step``), so its first computed step is the next
+one. A window that ended at the joiner's first commit counted that step only when a member's
+commit happened to precede the joiner's by a fraction of a millisecond.
 
 - ``ftsystem``: non-blocking catch-up (snapshot + update log from a donor, then a join epoch);
 - ``blocking``: the first issue's join: the whole state is broadcast inside the join epoch;
@@ -219,8 +226,9 @@ def _measure(members: dict, joiner_commits: list, launched: float) -> dict:
         return {"join_stall_s": None, "time_to_join_s": None, "step_s": None,
                 "join_step_stall_s": None}
     join_step, joined = joiner_commits[0]
+    _, computed = joiner_commits[min(1, len(joiner_commits) - 1)]  # its first computed step
     stalls = [s for tl in members.values()
-              if (s := stall.window_stall(tl, launched, joined)) is not None]
+              if (s := stall.window_stall(tl, launched, computed)) is not None]
     at_join = [s for tl in members.values() if (s := _step_stall(tl, join_step)) is not None]
     return {"join_stall_s": max(stalls, default=None), "time_to_join_s": joined - launched,
             "step_s": stall.distribution([stall.normal_step_time(tl)
