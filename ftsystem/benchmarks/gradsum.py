@@ -34,9 +34,6 @@ from typing import Annotated
 import typer
 
 from ftsystem.measure import report
-# The module, not its names: run as a rank (python -m), this module imports ftsystem.cli, which
-# imports overhead, which imports ftsystem.cli back, which imports this module (by its own
-# name) while overhead is still half-initialized.
 from ftsystem.benchmarks import overhead
 from ftsystem.cli import bench_app
 
