@@ -369,13 +369,12 @@ LEAN_COMMANDS = frozenset({"etcd", "controller", "agent", "run", "chaos"})
 starts with every generation of its replica, on a host where other replicas train."""
 
 
-def register_subcommands() -> typer.Typer:
-    """Load every sub-command onto ``app`` (what ``main`` does unless the command is lean);
-    returns ``app``. For a program that drives the whole CLI itself, e.g. with a test runner."""
+def register_subcommands() -> None:
+    """Load every sub-command onto ``app`` (what ``main`` does unless the command is lean), for
+    a program that drives the whole CLI itself, e.g. with a test runner."""
     import importlib
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name)
-    return app
 
 
 def _command_named(argv: List[str]) -> Optional[str]:
