@@ -17,7 +17,8 @@ from conftest import wait_for
 from ftsystem.control import keys
 from ftsystem.training.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, LoggedUpdate,
                               Snapshotter, StateServer, UpdateLog, decode_state, encode_state,
-                              fetch_log, fetch_snapshot, tensor_places, tree_tensors)
+                              fetch_layout, fetch_log, fetch_snapshot, receiving_buffers,
+                              tensor_places, tree_tensors)
 from ftsystem.training.hsdp import join_step_absentees
 from ftsystem.training.fingerprint import GENESIS
 from ftsystem.training.state_access import Credentials, StateAccess
@@ -92,6 +93,46 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
             fetch_snapshot(server.address, 10, at_step=5, credentials=member)  # committed
     finally:
         server.shutdown()
+
+
+def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snapshot():
+    state = _served_state()
+    snapshotter = Snapshotter(lambda: state)
+    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
+                         assigned_donor=lambda rid: None)
+    server = StateServer("127.0.0.1", snapshotter, UpdateLog(), current_step=lambda: 12,
+                         timeout_s=10, access=access)
+    member = Credentials("r1", "t")
+    own = {("model", "w"): torch.zeros(1000, 300), ("model", "h"): torch.zeros(3)}
+    layouts, destinations = [], {}
+
+    def into(layout: dict) -> dict:
+        layouts.append(layout)
+        destinations.update(receiving_buffers(own, layout))
+        return destinations
+    try:
+        assert fetch_layout(server.address, 10, credentials=member) == {}  # no commit yet
+        stop = threading.Event()
+
+        def train() -> None:
+            while not stop.wait(0.01):
+                snapshotter.after_commit(12)
+        threading.Thread(target=train, daemon=True).start()
+        wait_for(lambda: snapshotter.layout is not None, 10, "a first commit")
+        snapshot = fetch_snapshot(server.address, 10, credentials=member, into=into)
+        stop.set()
+        wrong = Credentials("r1", "wrong")
+        assert fetch_layout(server.address, 10, credentials=wrong) == {}  # refused
+    finally:
+        server.shutdown()
+    places = tensor_places(state)
+    assert {p: (m.shape, m.dtype) for p, m in layouts[0].items()} == \
+        {p: (t.shape, t.dtype) for p, t in places.items()}
+    received = tensor_places(snapshot.state)
+    assert received[("model", "w")] is own[("model", "w")]  # its own, where it fits
+    assert received[("optim", 0, "exp_avg")] is destinations[("optim", 0, "exp_avg")]
+    assert received[("model", "h")] is destinations[("model", "h")]  # h: another shape
+    assert all(torch.equal(received[p], places[p]) for p in places)
 
 
 def test_a_snapshot_of_the_live_state_survives_the_next_optimizer_step():

@@ -47,6 +47,38 @@ def test_a_serialized_state_loads_in_place_into_a_fresh_replica_bit_for_bit():
     assert _same(donor, joiner)
 
 
+def test_a_fresh_optimizer_adopts_the_received_slots_without_a_step_or_a_copy():
+    donor, joiner = _replica(0), _replica(1)
+    _train(*donor, range(3))
+    received = torch.load(_saved(local_state(*donor)), weights_only=True)
+    steps = []
+    joiner[1].register_step_pre_hook(lambda *_: steps.append(1))
+    load_local_state(*joiner, received)
+    assert not steps  # DCP would have created the state with a step at lr 0
+    adopted = {p: s for p, s in joiner[1].state.items()}
+    names = dict(joiner[0].named_parameters())
+    assert all(adopted[names[name]][slot] is tensor
+               for name, slots in received["optim"].items() for slot, tensor in slots.items())
+    assert _same(donor, joiner)
+
+
+def test_a_model_whose_names_differ_from_dcps_gets_the_slots_copied_bit_for_bit():
+    donor, joiner = _replica(0), _replica(1)
+    _train(*donor, range(3))
+    wrapped = torch.compile(joiner[0])  # named "_orig_mod.*"; DCP strips the prefix
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    load_local_state(wrapped, optimizer, torch.load(_saved(local_state(*donor)),
+                                                     weights_only=True))
+    assert _same(donor, (joiner[0], optimizer))
+
+
+def _saved(state: dict) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
+
+
 def test_reading_a_state_does_not_initialize_the_optimizer():
     model, optimizer = _replica(0)
     before = [p.clone() for p in model.parameters()]

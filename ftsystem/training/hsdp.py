@@ -47,7 +47,7 @@ from ftsystem.control import keys
 from ftsystem.measure import metrics
 from ftsystem.training.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
                               Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
-                              fetch_snapshot, tensor_places)
+                              fetch_snapshot, receiving_buffers, tensor_places)
 from ftsystem.training.checkpoint import Checkpointer, TrainingState
 from ftsystem.chaos.faults import FaultSchedule, InjectedFault
 from ftsystem.training.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
@@ -985,15 +985,16 @@ class FTReplica:
         log.info("replica %s rank %d loaded %s's snapshot of step %d", self.ctx.replica_id,
                  self.ctx.rank, donor, step)
 
-    def _receiving_tensors(self) -> dict[tuple, torch.Tensor]:
-        """Where a snapshot's tensors land: this rank's own state tensors (the optimizer's
-        state created first if it has none yet), so that nothing is allocated or copied as
-        they arrive. They are overwritten from here on: until a whole snapshot is loaded, this
-        replica holds no state of the job (it is fresh)."""
+    def _receiving_tensors(self, layout: dict[tuple, torch.Tensor]) -> dict[tuple, torch.Tensor]:
+        """Where a snapshot's tensors land: this rank's own state tensors, so that nothing is
+        allocated or copied as they arrive, and new ones for what it lacks of the donor's
+        ``layout`` (a fresh optimizer's slots, which it then adopts:
+        ``shards.load_local_state``). They are overwritten from here on: until a whole
+        snapshot is loaded, this replica holds no state of the job (it is fresh)."""
         self.snapshotter.before_mutation()
         self.update_log.clear()
         self._fresh = True
-        return tensor_places(local_state(self.model, self.optimizer, create=True))
+        return receiving_buffers(tensor_places(local_state(self.model, self.optimizer)), layout)
 
     def _report_catchup(self, received: int = 0, total: int = 0) -> None:
         """Show how far catching up is (the status page reads it from the registration):
