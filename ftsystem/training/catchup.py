@@ -355,7 +355,8 @@ def encode_state(step: int, state: Any, live: bool = False) -> EncodedState:
 def state_layout(state: Any) -> bytes:
     """The shapes and dtypes of ``state``'s tensors, in its tree (meta tensors), serialized:
     what a joiner allocates before the snapshot itself arrives (:func:`receiving_buffers`).
-    Layouts do not change while a job trains."""
+    A donor records it once: a layout does not change while a job trains, and a place that
+    appears later (an optimizer that creates some state late) is allocated as it arrives."""
     out = io.BytesIO()
     torch.save(map_tensors(state, lambda t: torch.empty(t.shape, dtype=t.dtype,
                                                         device="meta")), out)
