@@ -122,30 +122,26 @@ def _send_zeros(port: int, total_bytes: int) -> None:
             connection.sendall(buffer)
 
 
-def _members_step(etcd: str, job: str) -> int:
+def _admit_when_warm(etcd: str, job: str, replica: str) -> None:
+    """Once both members have committed ``WARMUP_STEPS``, add ``replica`` to the job's spec,
+    as an operator scaling the job up would: agents of replicas the spec does not list are
+    refused. One event loop for it all: grpc.aio binds to every loop that used it, and a loop
+    per poll left callbacks failing on closed loops in the bench's output."""
     import asyncio
     from ftsystem.control import keys
 
-    async def read() -> int:
+    async def admit() -> None:
         async with Store(etcd) as store:
-            items, _ = await store.get_prefix(keys.replicas(job))
-        steps = [json.loads(v)["step"] for v in items.values()]
-        return min(steps) if len(steps) >= 2 else 0
-    return asyncio.run(read())
-
-
-def _admit(etcd: str, job: str, replica: str) -> None:
-    """Add ``replica`` to the job's spec, as an operator scaling the job up would: agents of
-    replicas the spec does not list are refused."""
-    import asyncio
-    from ftsystem.control import keys
-
-    async def write() -> None:
-        async with Store(etcd) as store:
+            while True:
+                items, _ = await store.get_prefix(keys.replicas(job))
+                steps = [json.loads(v)["step"] for v in items.values()]
+                if len(steps) >= 2 and min(steps) >= WARMUP_STEPS:
+                    break
+                await asyncio.sleep(0.1)
             spec = await store.get_json(keys.spec(job))
             await store.put_json(keys.spec(job), spec | {
                 "replica_ids": [*spec["replica_ids"], replica]})
-    asyncio.run(write())
+    asyncio.run(admit())
 
 
 def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: Path) -> dict:
@@ -160,9 +156,7 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
                             show_progress=False)
             runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
             runner.start()
-            while _members_step(etcd.url, cfg.job) < WARMUP_STEPS:
-                time.sleep(0.1)
-            _admit(etcd.url, cfg.job, "r2")
+            _admit_when_warm(etcd.url, cfg.job, "r2")
             launched = time.time()
             extra = ProcessGroup(cfg.out_dir)
             # The run's token, which its agents hand to their ranks' state servers.
