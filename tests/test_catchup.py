@@ -135,6 +135,26 @@ def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snap
     assert all(torch.equal(received[p], places[p]) for p in places)
 
 
+def test_the_session_ends_once_everyone_served_is_a_member(monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_IDLE_S", "60")  # not by idleness
+    members = ["r0", "r1"]
+    log = UpdateLog()
+    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, tuple(members)),
+                         assigned_donor=lambda rid: "r0")
+    server = StateServer("127.0.0.1", Snapshotter(lambda: {}), log, current_step=lambda: 3,
+                         timeout_s=10, access=access)
+    try:
+        log.append(3, LoggedUpdate(torch.zeros(8), parent=GENESIS, chain=GENESIS))
+        assert fetch_log(server.address, 2, 10, credentials=Credentials("r2", "t"))
+        assert log.session_active
+        time.sleep(2.5)  # two polls: r2 is still catching up
+        assert log.session_active
+        members.append("r2")  # its join epoch
+        wait_for(lambda: not log.session_active, 10, "the end of the session")
+    finally:
+        server.shutdown()
+
+
 def test_a_snapshot_of_the_live_state_survives_the_next_optimizer_step():
     # On CPU nothing is copied at the commit: the transfer reads the state's own memory. A
     # mutation (the next optimizer step) first copies what the transfer has still to send, so

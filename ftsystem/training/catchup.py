@@ -24,7 +24,8 @@ Donor side (every replica can donate):
   and ``/layout`` (the shapes and dtypes of the state's tensors), and reports itself at
   ``/status``. A session ends when nobody has
   asked for ``FTSYSTEM_CATCHUP_IDLE_S`` (10 s): a recovering replica that died no longer
-  holds the donor's memory. Every request needs the job's token, and state goes only to
+  holds the donor's memory. It ends sooner once every replica it served is a member of the
+  epoch: they are sent what they miss at the epoch's entry, not from here. Every request needs the job's token, and state goes only to
   members and assigned joiners (``ftsystem.training.state_access``).
 
 Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into the joiner's own
@@ -56,7 +57,7 @@ from urllib.parse import parse_qs, urlparse
 import torch
 
 from ftsystem.training.devices import cuda_device_of, use_device
-from ftsystem.training.state_access import Credentials, Refusal, StateAccess
+from ftsystem.training.state_access import HEADER_REPLICA, Credentials, Refusal, StateAccess
 
 log = logging.getLogger(__name__)
 # What replicas exchange holds bytes (commit chains, serialized loop states); torch.save writes
@@ -65,6 +66,8 @@ torch.serialization.add_safe_globals([bytes])
 
 ENV_IDLE_S = "FTSYSTEM_CATCHUP_IDLE_S"
 """How long a donor keeps a snapshot and a growing log for a joiner that stopped asking."""
+SESSION_POLL_S = 1.0
+"""How often a donor checks whether its catch-up session is over."""
 KEEP_MIN_ENTRIES = 4
 DEFAULT_LOG_BUDGET_BYTES = 1 << 30
 
@@ -481,6 +484,7 @@ class StateServer:
         self._current_step, self._timeout_s = current_step, timeout_s
         self._last_request = 0.0
         self._idle_s = float(os.environ.get(ENV_IDLE_S, "10"))
+        self._fetchers: set[str] = set()  # the replicas served state in this session
         self.bytes_served = 0
         server = self
 
@@ -518,6 +522,7 @@ class StateServer:
             return
         self._last_request = time.monotonic()
         self.update_log.session_active = True
+        self._fetchers.add(request.headers.get(HEADER_REPLICA) or "")
         self._before_serving()
         if url.path == "/snapshot":
             at = parse_qs(url.query).get("step")
@@ -595,12 +600,26 @@ class StateServer:
 
     def _expire_sessions(self) -> None:
         while True:
-            time.sleep(1.0)
-            idle = time.monotonic() - self._last_request
-            if self.update_log.session_active and idle > self._idle_s:
-                log.info("catch-up session idle for %.0fs: freeing snapshot and log", idle)
+            time.sleep(SESSION_POLL_S)
+            if self.update_log.session_active and (why := self._session_over()):
+                log.info("catch-up session over (%s): freeing snapshot and log", why)
                 self.update_log.end_session()
                 self.snapshotter.free()
+                self._fetchers.clear()
+
+    def _session_over(self) -> str | None:
+        """Why the session is over, if it is: nobody asked for ``idle_s``, or everyone served
+        is a member now and asked nothing for a poll. A long session costs the members: the
+        log then keeps every update within its budget, so each step's gradients go to a
+        fresh buffer, page-faulted in (measured at 10M parameters here: the members' steps took
+        0.65-0.73 s in the 10 s after a join, 0.55-0.66 s with the session over 1 s after)."""
+        idle = time.monotonic() - self._last_request
+        if idle > self._idle_s:
+            return f"idle for {idle:.0f}s"
+        served = set(self._fetchers)
+        if idle > SESSION_POLL_S and served and self._access.are_members(served):
+            return f"{', '.join(sorted(served))} joined"
+        return None
 
     def shutdown(self) -> None:
         self._http.shutdown()

@@ -96,6 +96,11 @@ class StateAccess:
         return Refusal(403, f"replica {fetcher} is neither a member of epoch {number} nor "
                             f"assigned to catch up from {self._donor}")
 
+    def are_members(self, replicas: Collection[str]) -> bool:
+        """Whether every one of ``replicas`` is a member of the current epoch."""
+        _, members = self._epoch()
+        return all(replica in members for replica in replicas)
+
     def _still_granted(self, fetcher: str) -> bool:
         now = self._clock()
         with self._lock:
