@@ -118,7 +118,7 @@ def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snap
             while not stop.wait(0.01):
                 snapshotter.after_commit(12)
         threading.Thread(target=train, daemon=True).start()
-        wait_for(lambda: snapshotter.layout is not None, 10, "a first commit")
+        wait_for(lambda: snapshotter.layout is not None, 30, "a first commit")
         snapshot = fetch_snapshot(server.address, 10, credentials=member, into=into)
         stop.set()
         wrong = Credentials("r1", "wrong")
@@ -150,7 +150,7 @@ def test_the_session_ends_once_everyone_served_is_a_member(monkeypatch):
         time.sleep(2.5)  # two polls: r2 is still catching up
         assert log.session_active
         members.append("r2")  # its join epoch
-        wait_for(lambda: not log.session_active, 10, "the end of the session")
+        wait_for(lambda: not log.session_active, 30, "the end of the session")
     finally:
         server.shutdown()
 
