@@ -101,9 +101,14 @@ def _shaped_like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """A slot as its optimizer holds it: a DTensor sharded as its parameter where it has the
     shape of the parameter's shard (a moment), the local tensor otherwise (a step count)."""
     if isinstance(param, DTensor) and tensor.dim() and tensor.shape == param.to_local().shape:
-        return DTensor.from_local(tensor, param.device_mesh, param.placements,
-                                  shape=param.shape, stride=param.stride(), run_check=False)
+        return _sharded_like(param, tensor)
     return tensor
+
+
+def _sharded_like(param: DTensor, shard: torch.Tensor) -> DTensor:
+    """``shard``, this rank's part of a tensor sharded as ``param`` is, as that DTensor."""
+    return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride(), run_check=False)
 
 
 def flat_grads(params: list[nn.Parameter], out: torch.Tensor | None) -> torch.Tensor:
@@ -125,9 +130,7 @@ def grads_as_views(params: list[nn.Parameter], flat: torch.Tensor) -> None:
     for param, grad in zip(params, flat.split(sizes)):
         shard = local(param)
         if isinstance(param, DTensor):
-            param.grad = DTensor.from_local(grad.view_as(shard), param.device_mesh,
-                                            param.placements, shape=param.shape,
-                                            stride=param.stride(), run_check=False)
+            param.grad = _sharded_like(param, grad.view_as(shard))
         else:
             param.grad = grad.view_as(param)
 
