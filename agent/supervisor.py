@@ -268,9 +268,11 @@ class Agent:
             log.warning("replica %s generation %d ended (%s%s); restarting in %.1fs",
                         self.cfg.replica_id, generation.number, outcome.reason, where, backoff)
             try:
-                await asyncio.wait_for(self.stop_requested.wait(), backoff)
+                # Not wait_for: in Python 3.11 it can drop a cancellation (CPython gh-86296).
+                async with asyncio.timeout(backoff):
+                    await self.stop_requested.wait()
                 return 130
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 backoff = min(backoff * 2, self.cfg.max_backoff_s)
         log.error("replica %s: giving up after %d restarts", self.cfg.replica_id,
                   self.cfg.max_restarts)
@@ -556,9 +558,9 @@ class Agent:
             if child.returncode is None:
                 signal_group(child.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(asyncio.gather(*(c.wait() for c in self.children)),
-                                   self.cfg.grace_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.cfg.grace_s):
+                await asyncio.gather(*(c.wait() for c in self.children))
+        except TimeoutError:
             pass
 
     async def _kill_children(self) -> None:

@@ -244,8 +244,10 @@ class MembershipLoop:
         while True:
             timeout = max(0.0, next_tick - time.monotonic())
             try:
-                event = await asyncio.wait_for(queue.get(), timeout)
-            except asyncio.TimeoutError:
+                # Not wait_for: in Python 3.11 it can drop a cancellation (CPython gh-86296).
+                async with asyncio.timeout(timeout):
+                    event = await queue.get()
+            except TimeoutError:
                 next_tick = time.monotonic() + self.cfg.join_tick_s
                 await self._decide(join_tick=True, seen=time.monotonic())
                 continue

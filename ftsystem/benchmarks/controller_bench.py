@@ -198,8 +198,10 @@ class EpochWatcher:
         while time.monotonic() < deadline:
             check()
             try:
-                seen, epoch = await asyncio.wait_for(self.queue.get(), 1.0)
-            except asyncio.TimeoutError:
+                # Not wait_for: in Python 3.11 it can drop a cancellation (CPython gh-86296).
+                async with asyncio.timeout(1.0):
+                    seen, epoch = await self.queue.get()
+            except TimeoutError:
                 continue
             if wanted(epoch):
                 return seen, epoch
@@ -1231,8 +1233,9 @@ async def _fleet(cfg: NodesConfig, url: str, job: str, ids: list[str], workdir: 
             g.proc.stdin.close()
         for g in generators:
             try:
-                await asyncio.wait_for(g.proc.wait(), 10)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(10):
+                    await g.proc.wait()
+            except TimeoutError:
                 g.proc.kill()
                 await g.proc.wait()
 

@@ -366,9 +366,12 @@ class _KeepAliveStream:
         """The lease's TTL after renewal; 0 when etcd no longer knows it."""
         if self.call.done():  # the connection broke since the last renewal
             raise ConnectionError("the keep-alive stream has ended")
-        await asyncio.wait_for(self.call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id)),
-                               RPC_TIMEOUT_S)
-        reply = await asyncio.wait_for(self.call.read(), RPC_TIMEOUT_S)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that
+        # lands as the reply arrives (CPython gh-86296), and the cancelled task renews forever.
+        async with asyncio.timeout(RPC_TIMEOUT_S):
+            await self.call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
+        async with asyncio.timeout(RPC_TIMEOUT_S):
+            reply = await self.call.read()
         if reply is grpc.aio.EOF:
             raise ConnectionError("etcd closed the keep-alive stream")
         return reply.TTL
