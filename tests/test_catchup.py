@@ -305,6 +305,15 @@ def test_two_replicas_recover_at_once_from_different_donors(etcd, job_id, tmp_pa
     assert first_donors == {"r0", "r3"}, "donor load was not spread"
 
 
+def _status(url: str, auth: dict) -> dict | None:
+    """A donor's ``/status``; None when the poll's connection failed (one was once reset on a
+    loaded machine): the next poll asks again."""
+    try:
+        return httpx.get(url, headers=auth).json()
+    except httpx.TransportError:
+        return None
+
+
 def test_a_dead_joiner_frees_the_donor(etcd, job_id, tmp_path, monkeypatch):
     monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "5")
     monkeypatch.setenv("FTSYSTEM_CATCHUP_IDLE_S", "2")
@@ -316,12 +325,11 @@ def test_a_dead_joiner_frees_the_donor(etcd, job_id, tmp_path, monkeypatch):
                  r["state"] == "catching_up", 120, "r1 to catch up")
         status_url = f"http://{_registration(etcd.url, job_id, 'r0')['state_addr']}/status"
         auth = {"Authorization": f"Bearer {(tmp_path / 'api-token').read_text()}"}
-        wait_for(lambda: httpx.get(status_url, headers=auth).json()["snapshot_step"] >= 0, 30,
+        wait_for(lambda: (s := _status(status_url, auth)) and s["snapshot_step"] >= 0, 30,
                  "r0 to serve a snapshot")
         os.kill(_registration(etcd.url, job_id, "r1")["pid"], signal.SIGKILL)
-        freed = wait_for(lambda: (s := httpx.get(status_url, headers=auth).json())[
-            "snapshot_step"] == -1 and not s["session_active"] and s, 30,
-            "r0 to free its snapshot")
+        freed = wait_for(lambda: (s := _status(status_url, auth)) and s["snapshot_step"] == -1
+                         and not s["session_active"] and s, 30, "r0 to free its snapshot")
     finally:
         runner.join(300)
     # it keeps only the last few updates (for step reconciliation), not the session's log
