@@ -278,3 +278,35 @@ async def _late_then_lapsed(etcd: EmbeddedEtcd, job: str) -> None:
         # Restarted by its agent (a new generation), it joins again.
         await cut.put(generation=1, state=ReplicaState.READY)
         await epochs.wait_for(lambda e: e.generations.get("b") == 1, "b's new generation", 30)
+
+
+def test_a_leader_cancelled_while_registrations_stream_in_stops(etcd, job_id):
+    """The leader's decision loop ends when cancelled (a lost lease, a stop) even as an event
+    arrives at that moment; Python 3.11's ``asyncio.wait_for`` returned the event then and
+    dropped the cancellation, and a deposed leader went on deciding."""
+    async def scenario() -> int:
+        async with Store(etcd.url) as store:
+            await store.put_json(keys.spec(job_id), {"replicas": 2, "min_replicas": 1})
+            flooding = True
+
+            async def flood() -> None:  # a registration rewritten as fast as etcd takes it
+                reg = Registration(replica_id="r0", state=ReplicaState.READY, generation=0)
+                while flooding:
+                    await store.put(keys.replica(job_id, "r0"), reg.to_json())
+            writer = asyncio.create_task(flood())
+            try:
+                for attempt in range(60):
+                    cfg = LeaderConfig(job=job_id, instance_id=f"t{attempt}")
+                    leading = asyncio.Event()
+                    leader = asyncio.create_task(run_elections(store, cfg, leading))
+                    await asyncio.wait_for(leading.wait(), 10)
+                    await asyncio.sleep(attempt % 10 * 0.003)
+                    leader.cancel()
+                    done, _ = await asyncio.wait({leader}, timeout=5)
+                    if not done:
+                        return attempt
+                return -1
+            finally:
+                flooding = False
+                await asyncio.gather(writer, return_exceptions=True)
+    assert asyncio.run(scenario()) == -1, "a cancelled leader went on deciding"
