@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torchft.process_group import create_store_client
 
 from ftsystem.control.membership import Epoch
-from ftsystem.training.ftar import ARRIVAL_STORE_TIMEOUT_S, EpochChanged, FaultTolerantAllReduce
+from ftsystem.training.ftar import (ARRIVAL_STORE_TIMEOUT_S, BEAT_S, FROZEN_AFTER_BEATS,
+                                    EpochChanged, FaultTolerantAllReduce, _Beats, _MarksRead,
+                                    frozen_members)
 
 TIMEOUT_S = 20.0
 
@@ -120,3 +122,41 @@ def test_an_early_read_still_unanswered_at_the_bound_names_the_store_host_whatev
         check.poll()
     assert raised.value.late == ("r0",) and len(reads) == 1  # no second read
     assert time.monotonic() - started < ARRIVAL_STORE_TIMEOUT_S / 2
+
+
+def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_frozen():
+    """A member that arrived and then froze inside the all-reduce (a SIGSTOP: its mark says it
+    is there, so the collective looked only slow, and the survivors waited for the watchdog) is
+    named once its beats stood still between two reads; a live one, beating, is not."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+
+    def client():
+        return create_store_client(f"127.0.0.1:{server.port}/j/steps",
+                                   timedelta(seconds=ARRIVAL_STORE_TIMEOUT_S))
+    epoch = Epoch(number=1, members=("r0", "r1", "r2"))
+    control = SimpleNamespace(epoch=epoch, ctx=SimpleNamespace(job="j", replica_id="r2"))
+    ftar = FaultTolerantAllReduce(control, timeout_s=TIMEOUT_S)
+    ftar._arrivals = client()
+    for rank in range(3):
+        ftar._arrivals.set(str(rank), "7")  # everyone marked step 7
+    live = _Beats(client(), rank=1)  # r1 beats; r0 froze after its mark
+    try:
+        early = ftar._read_marks(epoch, 7)
+        assert early.done.wait(5)
+        time.sleep(FROZEN_AFTER_BEATS * BEAT_S + 0.2)
+        assert ftar._late_members(epoch, 7, early) == ("r0",)
+        early = ftar._read_marks(epoch, 7)  # too close to the next read to tell: only slow
+        assert early.done.wait(5)
+        assert ftar._late_members(epoch, 7, early) == ()
+    finally:
+        live.stop()
+
+
+def test_frozen_members_counts_only_members_marked_in_both_reads():
+    early = _MarksRead(10.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 9})
+    now = _MarksRead(11.0, late=(), beats={"r0": 4, "r1": 2, "r2": 9})
+    # r0 stood still: frozen. r1 arrived between the reads (it moved). r2 is the reader.
+    assert frozen_members(early, now, me="r2") == ("r0",)
+    assert frozen_members(early, _MarksRead(10.1, late=(), beats=now.beats), me="r2") == ()
+    assert frozen_members(None, now, me="r2") == ()

@@ -11,10 +11,12 @@ Waiting is always interruptible: while a rendezvous or a collective is in flight
 abandons it (:class:`EpochChanged`), a peer failure or the timeout fails it
 (:class:`CollectiveFailed`), and a peer that has not arrived at a step's all-reduce within the
 straggler bound is named (:class:`Stragglers`): every member of shard 0 marks its arrival at
-each step in the epoch's store, and one that waited the bound reads whose mark is missing. Gloo cannot cancel an operation in flight, so an abandoned group
-is dropped with its buffers (callers pass a fresh buffer on every attempt) and a new group is
-built for the new epoch: in the background, from the moment the epoch is published, so that
-the rendezvous overlaps the end of the step in the old epoch.
+each step in the epoch's store and beats there all epoch long, and one that waited the bound
+reads whose mark is missing, or whose beats stood still (frozen after it arrived). Gloo cannot
+cancel an operation in flight, so an abandoned group is dropped with its buffers (callers pass
+a fresh buffer on every attempt) and a new group is built for the new epoch: in the background,
+from the moment the epoch is published, so that the rendezvous overlaps the end of the step in
+the old epoch.
 
 A collective is done when its data is in memory. With Gloo that is when its future completes;
 with NCCL the future completes when the collective is queued on the GPU, and its errors come
@@ -48,6 +50,12 @@ POLL_S = 0.002
 ARRIVAL_STORE_TIMEOUT_S = 2.0
 """A check of the arrival marks that the epoch's store does not answer within this means the
 store's host (``members[0]``) is frozen or gone: it is the one named late."""
+BEAT_S = 0.2
+"""How often shard 0 of a member adds one to its beat count in the epoch's store, all epoch
+long, on a thread and a connection of its own. A member marked at the step whose count stood
+still for ``FROZEN_AFTER_BEATS`` beats is frozen (SIGSTOP, a stopped VM, cut off from the
+store's host) inside the all-reduce, not slow: its mark alone says it arrived."""
+FROZEN_AFTER_BEATS = 3
 WATCH_POLL_S = 1.0
 """How often the thread that prepares published epochs looks whether the FTAR was shut down."""
 DEVICE_POLL_S = 0.0002
@@ -125,6 +133,29 @@ def _arrived(store, rank: int, step: int) -> bool:
     return store.check([key]) and int(store.get(key)) >= step
 
 
+def _beat_key(rank: int) -> str:
+    return f"beat{rank}"
+
+
+class _Beats:
+    """This member's beat count in the epoch's store (see ``BEAT_S``), until stopped."""
+
+    def __init__(self, store, rank: int) -> None:
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, args=(store, _beat_key(rank)), daemon=True,
+                         name="ftar-beats").start()
+
+    def _run(self, store, key: str) -> None:
+        while not self._stopped.wait(BEAT_S):
+            try:
+                store.add(key, 1)
+            except (RuntimeError, ValueError):
+                pass  # the store's host is gone or frozen: the next beat tries again
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 @dataclasses.dataclass(eq=False)
 class _Build:
     """The group of one epoch, built on a thread of its own (:meth:`FaultTolerantAllReduce.prepare`)."""
@@ -133,6 +164,8 @@ class _Build:
     pg: ProcessGroupWrapper | None = None
     arrivals: object = None
     """Shard 0: a client of the epoch's store, where members mark their arrival at steps."""
+    beats: object = None
+    """Shard 0: another client of it, for this member's beats (``BEAT_S``)."""
     error: BaseException | None = None
     abandoned: bool = False
     """Nobody will use it: its thread aborts the group it finishes building."""
@@ -156,6 +189,7 @@ class FaultTolerantAllReduce:
         """Shard 0: a client of the epoch's store, where members mark their arrival at steps."""
         self._arrival: tuple[int, float] | None = None
         """(step, bound) while this member waits at that step's all-reduce."""
+        self._beats: _Beats | None = None
         self._aborting: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._builds: dict[int, _Build] = {}
@@ -203,6 +237,8 @@ class FaultTolerantAllReduce:
             self._abandon(stale)
         self.abort()
         self._pg, self._arrivals, self.epoch = build.pg, build.arrivals, epoch
+        if build.beats is not None:
+            self._beats = _Beats(build.beats, self.rank)
         self.watch(newer_than=epoch.number)
 
     def prepare(self, epoch: Epoch) -> "_Build":
@@ -242,6 +278,7 @@ class FaultTolerantAllReduce:
                 raise CollectiveFailed(f"rendezvous of epoch {epoch.number} failed: {e}") from e
             build.pg = pg
             build.arrivals = self._arrival_store(addr, epoch)
+            build.beats = self._arrival_store(addr, epoch)
         except BaseException as e:  # reported to the thread that configures the epoch
             build.error = e
         finally:
@@ -346,7 +383,9 @@ class FaultTolerantAllReduce:
 
     def _late_members(self, epoch: Epoch, step: int, early: "_MarksRead | None" = None,
                       silence_s: float = math.inf) -> tuple[str, ...]:
-        """The members whose mark is missing or behind ``step``. The marks are read in a
+        """The members whose mark is missing or behind ``step``, and those marked at it in
+        both this read and ``early`` whose beats stood still between the two (frozen inside
+        the all-reduce: see ``BEAT_S``). The marks are read in a
         thread: a store whose host is frozen (SIGSTOP) or cut off keeps its connection open
         and never answers, and TCPStore's timeout does not bound a ``check``; a store that
         has not answered within ``ARRIVAL_STORE_TIMEOUT_S`` names its host, ``members[0]``,
@@ -358,7 +397,10 @@ class FaultTolerantAllReduce:
             return (epoch.members[0],)
         read = self._read_marks(epoch, step)
         read.done.wait(ARRIVAL_STORE_TIMEOUT_S)
-        return read.late if read.late is not None else (epoch.members[0],)
+        if read.late is None:
+            return (epoch.members[0],)
+        frozen = frozen_members(early, read, me=self.control.ctx.replica_id)
+        return read.late + tuple(m for m in frozen if m not in read.late)
 
     def _read_marks(self, epoch: Epoch, step: int) -> "_MarksRead":
         """Start reading which members' marks are behind ``step``, on a thread of its own."""
@@ -367,8 +409,10 @@ class FaultTolerantAllReduce:
 
         def run() -> None:
             try:
-                read.late = tuple(m for r, m in enumerate(epoch.members)
-                                  if not _arrived(store, r, step))
+                late = tuple(m for r, m in enumerate(epoch.members)
+                             if not _arrived(store, r, step))
+                read.beats = {m: store.add(_beat_key(r), 0) for r, m in enumerate(epoch.members)}
+                read.late = late
             except (RuntimeError, ValueError):  # the store's host is gone
                 pass
             finally:
@@ -403,6 +447,9 @@ class FaultTolerantAllReduce:
         and the next epoch must not wait for that.
         """
         self._arrivals = None
+        if self._beats is not None:
+            self._beats.stop()
+            self._beats = None
         if self._pg is not None:
             pg, self._pg = self._pg, None
             self._abort_in_background(pg)
@@ -492,6 +539,20 @@ class _MarksRead:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     late: tuple[str, ...] | None = None
     """The members behind; None while the store has not answered, or when it failed."""
+    beats: dict[str, int] | None = None
+    """Every member's beat count, read after the marks."""
+
+
+def frozen_members(early: _MarksRead | None, now: _MarksRead, me: str) -> tuple[str, ...]:
+    """The members other than ``me`` marked at the step in both reads whose beat count stood
+    still between them; none unless the reads are ``FROZEN_AFTER_BEATS`` beats apart (a live
+    member beats in between)."""
+    if early is None or early.late is None or early.beats is None or now.beats is None or \
+            now.started - early.started < FROZEN_AFTER_BEATS * BEAT_S:
+        return ()
+    behind = set(early.late) | set(now.late or ())
+    return tuple(m for m, count in now.beats.items()
+                 if m != me and m not in behind and early.beats.get(m) == count)
 
 
 class _StragglerCheck:
