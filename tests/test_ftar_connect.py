@@ -154,9 +154,13 @@ def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_frozen():
 
 
 def test_frozen_members_counts_only_members_marked_in_both_reads():
-    early = _MarksRead(10.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 9})
-    now = _MarksRead(11.0, late=(), beats={"r0": 4, "r1": 2, "r2": 9})
+    beats = {"r0": 4, "r1": 2, "r2": 9}
+    early = _MarksRead(10.0, late=("r1",), beats=beats, beats_read=(10.0, 10.1))
+    now = _MarksRead(11.0, late=(), beats=beats, beats_read=(11.0, 11.1))
     # r0 stood still: frozen. r1 arrived between the reads (it moved). r2 is the reader.
     assert frozen_members(early, now, me="r2") == ("r0",)
-    assert frozen_members(early, _MarksRead(10.1, late=(), beats=now.beats), me="r2") == ()
     assert frozen_members(None, now, me="r2") == ()
+    # Counts read less than three beats apart tell nothing, also when the early read started
+    # long before (a slow store answered it late).
+    late_answer = _MarksRead(10.0, late=(), beats=beats, beats_read=(10.9, 10.95))
+    assert frozen_members(late_answer, now, me="r2") == ()

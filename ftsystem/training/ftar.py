@@ -411,7 +411,9 @@ class FaultTolerantAllReduce:
             try:
                 late = tuple(m for r, m in enumerate(epoch.members)
                              if not _arrived(store, r, step))
+                started = time.monotonic()
                 read.beats = {m: store.add(_beat_key(r), 0) for r, m in enumerate(epoch.members)}
+                read.beats_read = (started, time.monotonic())
                 read.late = late
             except (RuntimeError, ValueError):  # the store's host is gone
                 pass
@@ -541,14 +543,17 @@ class _MarksRead:
     """The members behind; None while the store has not answered, or when it failed."""
     beats: dict[str, int] | None = None
     """Every member's beat count, read after the marks."""
+    beats_read: tuple[float, float] = (math.inf, -math.inf)
+    """When the reading of ``beats`` started and ended."""
 
 
 def frozen_members(early: _MarksRead | None, now: _MarksRead, me: str) -> tuple[str, ...]:
     """The members other than ``me`` marked at the step in both reads whose beat count stood
-    still between them; none unless the reads are ``FROZEN_AFTER_BEATS`` beats apart (a live
-    member beats in between)."""
+    still between them; none unless the counts were read ``FROZEN_AFTER_BEATS`` beats apart
+    (a live member beats in between: a read that a slow store answered late is nearer the next
+    than its start)."""
     if early is None or early.late is None or early.beats is None or now.beats is None or \
-            now.started - early.started < FROZEN_AFTER_BEATS * BEAT_S:
+            now.beats_read[0] - early.beats_read[1] < FROZEN_AFTER_BEATS * BEAT_S:
         return ()
     behind = set(early.late) | set(now.late or ())
     return tuple(m for m, count in now.beats.items()
