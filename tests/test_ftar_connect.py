@@ -157,7 +157,7 @@ def test_frozen_members_counts_only_members_marked_in_both_reads():
     beats = {"r0": 4, "r1": 2, "r2": 9}
     early = _MarksRead(10.0, late=("r1",), beats=beats, beats_read=(10.0, 10.1))
     now = _MarksRead(11.0, late=(), beats=beats, beats_read=(11.0, 11.1))
-    # r0 stood still: frozen. r1 arrived between the reads (it moved). r2 is the reader.
+    # r0 stood still: frozen. r1 arrived between the reads (its mark moved). r2 reads.
     assert frozen_members(early, now, me="r2") == ("r0",)
     assert frozen_members(None, now, me="r2") == ()
     # Counts read less than three beats apart tell nothing, also when the early read started
