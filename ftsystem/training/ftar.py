@@ -555,7 +555,7 @@ def frozen_members(early: _MarksRead | None, now: _MarksRead, me: str) -> tuple[
     if early is None or early.late is None or early.beats is None or now.beats is None or \
             now.beats_read[0] - early.beats_read[1] < FROZEN_AFTER_BEATS * BEAT_S:
         return ()
-    behind = set(early.late) | set(now.late or ())
+    behind = set(early.late) | set(now.late)
     return tuple(m for m, count in now.beats.items()
                  if m != me and m not in behind and early.beats.get(m) == count)
 
