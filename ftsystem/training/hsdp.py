@@ -30,13 +30,11 @@ Catch-up and state sync move shard k from rank k of the donor to rank k of the r
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import hashlib
 import io
 import json
 import logging
 import os
-import threading
 import time
 from typing import Callable
 
@@ -48,7 +46,7 @@ from ftsystem.control import keys
 
 from ftsystem.measure import metrics
 from ftsystem.training.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
-                              Snapshot, Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
+                              Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
                               fetch_snapshot, receiving_buffers, tensor_places)
 from ftsystem.training.checkpoint import Checkpointer, TrainingState
 from ftsystem.chaos.faults import FaultSchedule, InjectedFault
@@ -248,7 +246,6 @@ class FTReplica:
             warm_up = os.environ.get(ENV_WARM_UP, "1") != "0"
         self._warm_up = warm_up
         self._warming_since: float | None = None  # start() returned to compute the warm-up
-        self._prefetch: concurrent.futures.Future | None = None  # the snapshot meanwhile
         self._absent = 0  # members taking part in the next all-reduce with no gradient
         self._join_carry = b""  # the loop-advanced objects' states of the join step
         self._spare_buffer: torch.Tensor | None = None  # for the next gradients' sum
@@ -302,11 +299,11 @@ class FTReplica:
         if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             if self.replica.size == 1:
+                self._catch_up()
                 self._offers_join_step = True
                 if self._warm_up:
-                    self._start_warm_up()
-                    return  # the next commit() (or finish()) joins
-                self._catch_up()
+                    self._warming_since = time.monotonic()
+                    return  # the next commit() joins
             else:
                 self._catch_up_ranks()
         elif stopped and self.checkpointer is not None:
@@ -327,64 +324,21 @@ class FTReplica:
         if self._offers_join_step:
             self._take_join_step()
 
-    def _start_warm_up(self) -> None:
-        """Let the loop compute one step, to be dropped, while the donor's snapshot arrives.
+    def _join_after_warm_up(self) -> None:
+        """Join after the loop computed one step on the caught-up state, and drop that step.
 
         A fresh process's first forward and backward are slow: every allocation is
         page-faulted in, every kernel runs for the first time (on a GPU: the CUDA context,
         autotuning, compilation). Measured at 10M parameters on 2 cores: a first forward of
         0.42-0.46 s against 0.09-0.19 s, which the members waited for in the joiner's first
-        all-reduce. torchft's healing replica computes that step while it fetches its state,
-        and zeroes its gradient; so does this replica, and then joins (the next ``commit()``).
-        The forward and backward read the parameters: the snapshot's arrive in buffers of
-        their own, copied in once the step is done. The optimizer's state is received in
-        place (the step does not touch it).
+        all-reduce. torchft's healing replica pays it in the step it heals in, whose gradient
+        it zeroes; this replica pays it before it registers ready. The members went on
+        meanwhile: it replays their log (or takes a newer snapshot) before joining.
         """
-        self._warming_since = time.monotonic()
-        self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": [], "duration_s": 0.0}
-        self._prefetch = future = concurrent.futures.Future()
-
-        def fetch() -> None:
-            try:
-                future.set_result(self._fetch_first_snapshot())
-            except BaseException as e:  # raised in the training thread, at the next commit
-                future.set_exception(e)
-        # A daemon: a loop that fails in its first step must not wait for the transfer.
-        threading.Thread(target=fetch, name="ftsystem-catchup", daemon=True).start()
-
-    def _fetch_first_snapshot(self) -> tuple[str, str, Snapshot] | None:
-        """(donor, its address, its snapshot), fetched beside the warm-up step; None when
-        there is no donor. Nothing is loaded here: the loop's step is running."""
-        started, failed = time.monotonic(), set()
-        while True:
-            donor, addr = self._assigned_donor(avoid=failed)
-            if donor is None:
-                return None
-            try:
-                snapshot = fetch_snapshot(
-                    addr, self.ctx.timeout_s, credentials=self._credentials,
-                    into=lambda layout: self._receiving_tensors(layout, into_model=False),
-                    on_progress=self._report_catchup)
-            except DonorUnavailableError as e:
-                log.warning("replica %s: donor %s failed (%s); asking for another",
-                            self.ctx.replica_id, donor, e)
-                failed.add(donor)
-                continue
-            self.catchup_stats["duration_s"] += time.monotonic() - started
-            return donor, addr, snapshot
-
-    def _join_after_warm_up(self) -> None:
-        """The warm-up step is done (its gradients are dropped): load the snapshot, replay
-        the members' log from there, and join."""
         warm_up_s = time.monotonic() - self._warming_since
         self._warming_since = None
         release_grads(self._params)
-        self.objects.load_carry(self._carry)  # the batch it drew is not this replica's
-        prefetched, self._prefetch = self._prefetch.result(), None
-        if prefetched is not None:
-            donor, _, snapshot = prefetched
-            self.catchup_stats["donors"].append(donor)
-            self._take_snapshot(snapshot)
+        self.objects.load_carry(self._carry)  # the batch it drew is not this replica's yet
         self._catch_up()
         self.catchup_stats["warm_up_s"] = warm_up_s
         self._join(watch=True)
@@ -993,7 +947,7 @@ class FTReplica:
         the leader assigns next; with no donor at all the replica joins with a full sync.
         """
         started, failed = time.monotonic(), set()
-        # After a warm-up step, it adds to the figures of the snapshot fetched meanwhile.
+        # A second call (after the warm-up step) adds to the first one's figures.
         stats = self.catchup_stats = self.catchup_stats or {
             "bytes": 0, "steps_replayed": 0, "donors": [], "duration_s": 0.0}
         while True:
@@ -1005,10 +959,15 @@ class FTReplica:
             try:
                 head = self._replay_from(addr)
                 if head is None:  # no snapshot yet, or the log moved past us
-                    self._take_snapshot(fetch_snapshot(addr, self.ctx.timeout_s,
-                                                       credentials=self._credentials,
-                                                       into=self._receiving_tensors,
-                                                       on_progress=self._report_catchup))
+                    snapshot = fetch_snapshot(addr, self.ctx.timeout_s,
+                                              credentials=self._credentials,
+                                              into=self._receiving_tensors,
+                                              on_progress=self._report_catchup)
+                    self._load(snapshot.state)
+                    self._fresh = False
+                    stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
+                    metrics.CATCHUP_BYTES.labels(*self._labels).inc(snapshot.nbytes)
+                    time.sleep(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
                     head = self._replay_from(addr)
             except DonorUnavailableError as e:
                 log.warning("replica %s: donor %s failed (%s); asking for another",
@@ -1023,14 +982,6 @@ class FTReplica:
         metrics.CATCHUP_DURATION.labels(*self._labels).observe(took)
         log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
                  self.step, donor, stats)
-
-    def _take_snapshot(self, snapshot: Snapshot) -> None:
-        self._load(snapshot.state)
-        self._fresh = False
-        stats = self.catchup_stats
-        stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
-        metrics.CATCHUP_BYTES.labels(*self._labels).inc(snapshot.nbytes)
-        time.sleep(float(os.environ.get(ENV_CATCHUP_PAUSE, "0")))
 
     def _catch_up_ranks(self) -> None:
         """Catch-up of a replica of several ranks: each rank fetches a snapshot of its shard
@@ -1080,22 +1031,16 @@ class FTReplica:
         log.info("replica %s rank %d loaded %s's snapshot of step %d", self.ctx.replica_id,
                  self.ctx.rank, donor, step)
 
-    def _receiving_tensors(self, layout: dict[tuple, torch.Tensor], into_model: bool = True
-                           ) -> dict[tuple, torch.Tensor]:
+    def _receiving_tensors(self, layout: dict[tuple, torch.Tensor]) -> dict[tuple, torch.Tensor]:
         """Where a snapshot's tensors land: this rank's own state tensors, so that nothing is
         allocated or copied as they arrive, and new ones for what it lacks of the donor's
         ``layout`` (a fresh optimizer's slots, which it then adopts:
         ``shards.load_local_state``). They are overwritten from here on: until a whole
-        snapshot is loaded, this replica holds no state of the job (it is fresh).
-        ``into_model=False``: the parameters get buffers of their own (a step is reading
-        them), copied in when the snapshot is loaded."""
+        snapshot is loaded, this replica holds no state of the job (it is fresh)."""
         self.snapshotter.before_mutation()
         self.update_log.clear()
         self._fresh = True
-        own = tensor_places(local_state(self.model, self.optimizer))
-        if not into_model:
-            own = {place: t for place, t in own.items() if place[0] != "model"}
-        return receiving_buffers(own, layout)
+        return receiving_buffers(tensor_places(local_state(self.model, self.optimizer)), layout)
 
     def _report_catchup(self, received: int = 0, total: int = 0) -> None:
         """Show how far catching up is (the status page reads it from the registration):
