@@ -232,6 +232,9 @@ def test_join_while_training(etcd, job_id, tmp_path):
     # its first commit was the join step, taken with no gradient while the members committed
     # theirs (its loader took their states of that step: the invariant above holds)
     assert r1["commits"][0][0] == catchup["join_step"] > catchup["snapshot_step"]
+    # before joining, it computed one step of its loop and dropped it (its warm-up): the
+    # batch it drew and its dropout did not leave it off the members' state (checked above)
+    assert catchup["warm_up_s"] > 0
     # the members let it in with a log-based sync, not a full-state transfer
     join = [e for e in load_results(tmp_path)["r0"]["epochs"] if e["reason"] == "join"]
     assert join, "no join epoch"

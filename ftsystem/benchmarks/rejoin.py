@@ -1,6 +1,6 @@
 """``ftsystem bench rejoin``: what a joining replica costs the members, as the model grows.
 
-For each model size, the same scenario on three systems in one invocation: two members train;
+For each model size, the same scenario on each system in one invocation: two members train;
 a third replica is launched mid-run and joins. Measured: the members' stall (their longest
 inter-commit gap from the joiner's launch to its second commit, minus their normal step time),
 the joiner's time from launch to its first commit, and the rate of its state transfer.
@@ -12,7 +12,10 @@ join step with zeros (``FTReplica._take_join_step``), so its first computed step
 one. A window that ended at the joiner's first commit counted that step only when a member's
 commit happened to precede the joiner's by a fraction of a millisecond.
 
-- ``ftsystem``: non-blocking catch-up (snapshot + update log from a donor, then a join epoch);
+- ``ftsystem``: non-blocking catch-up (snapshot + update log from a donor), a warm-up step of
+  the loop, thrown away, then a join epoch;
+- ``cold-join``: the same without the warm-up step (``FTSYSTEM_WARM_UP=0``): the joiner's first
+  forward and backward run in a cold process after it joined, while the members wait;
 - ``blocking``: the first issue's join: the whole state is broadcast inside the join epoch;
 - ``torchft``: torchft 0.2.0 healing inside a quorum step.
 
@@ -71,7 +74,7 @@ QUICK_PLAN = {1_000_000: (400, 0.05)}
 """``--quick``: a smoke run of the wiring and the JSON, not figures. The members train 20 s
 and more after the joiner starts: its imports alone took 30 s on a loaded machine, and a joiner
 that arrives after the last step has nothing to join."""
-SYSTEMS = ("ftsystem", "blocking", "torchft")
+SYSTEMS = ("ftsystem", "cold-join", "blocking", "torchft")
 LOOPBACK_BYTES, LOOPBACK_CHUNK, LOOPBACK_TRIES = 1 << 30, 64 << 20, 3
 QUICK_LOOPBACK = (256 << 20, 1)
 TARGETS = {"transfer_bytes_per_s": "ftsystem >= 1e9 and >= 0.2 x loopback at 100M",
@@ -144,9 +147,11 @@ def _admit_when_warm(etcd: str, job: str, replica: str) -> None:
     asyncio.run(admit())
 
 
-def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: Path) -> dict:
+def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: Path,
+                 warm_up: bool = True) -> dict:
     """Two members via ``run_job``; a third agent launched once they are warm."""
     os.environ["FTSYSTEM_CATCHUP"] = mode  # inherited by every replica
+    os.environ["FTSYSTEM_WARM_UP"] = str(int(warm_up))
     train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
                   "--lr", str(LR), "--sleep-per-step", str(sleep), "--loop", "plain"]
     try:
@@ -168,6 +173,7 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
             runner.join()
     finally:
         os.environ.pop("FTSYSTEM_CATCHUP", None)
+        os.environ.pop("FTSYSTEM_WARM_UP", None)
     results = {p.stem: json.loads(p.read_text())
                for p in (cfg.out_dir / "results").glob("*.json")}
     if "r2" not in results:
@@ -247,7 +253,8 @@ def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Pat
         if name == "torchft":
             return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir)
         return run_ftsystem(params=params, steps=steps, sleep=sleep, workdir=workdir,
-                            mode="nonblocking" if name == "ftsystem" else "blocking")
+                            mode="blocking" if name == "blocking" else "nonblocking",
+                            warm_up=name != "cold-join")
     except (RuntimeError, TimeoutError) as e:
         typer.echo(f"{name} at {params:,} parameters failed: {e}", err=True)
         return {figure: None for figure in FIGURES} | {"error": str(e)}
@@ -333,12 +340,12 @@ def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write 
                                       "order of the systems alternated per round"),
            systems: str = typer.Option(",".join(SYSTEMS), help="comma-separated, of "
                                        + ", ".join(SYSTEMS)),
-           skip_torchft: bool = typer.Option(False, help="run ftsystem and blocking only"),
+           skip_torchft: bool = typer.Option(False, help="leave torchft out"),
            sizes: str = typer.Option("1M,10M,100M", help="comma-separated model sizes, of "
                                      "1M, 10M, 100M")
            ) -> None:
-    """Members' stall, joiner's time to join and transfer rate: ftsystem vs blocking vs
-    torchft 0.2.0, with the machine's loopback rate beside."""
+    """Members' stall, joiner's time to join and transfer rate: ftsystem (with and without
+    its warm-up step) vs blocking vs torchft 0.2.0, with the machine's loopback rate beside."""
     chosen = [name.strip() for name in systems.split(",") if name.strip()]
     if unknown := sorted(set(chosen) - set(SYSTEMS)):
         raise typer.BadParameter(f"unknown system(s) {', '.join(unknown)}: pick from "
