@@ -175,10 +175,10 @@ class FTReplica:
         commit: a program accumulating gradients over several must pass False. Replicas of
         several ranks never overlap (their FSDP reduce-scatter does, inside the replica).
 
-        ``warm_up``: a replica that catches up while the others train first computes one
-        step of the loop on the state it caught up to, and drops it (its :meth:`commit`
-        returns False), so that the members do not wait for its cold first forward and
-        backward (default: ``FTSYSTEM_WARM_UP``, else True)."""
+        ``warm_up``: a replica of one rank that joins a running job first computes one step
+        of the loop and drops it (its :meth:`commit` returns False, having caught up and
+        joined), so that the members do not wait for its cold first forward and backward
+        (default: ``FTSYSTEM_WARM_UP``, else True)."""
         self.ctx = ctx or ReplicaContext.from_env()
         self.replica = ReplicaGroup(self.ctx.world_size)
         self.model, self.optimizer = model, optimizer
@@ -299,11 +299,11 @@ class FTReplica:
         if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
             if self.replica.size == 1:
-                self._catch_up()
                 self._offers_join_step = True
                 if self._warm_up:
                     self._warming_since = time.monotonic()
-                    return  # the next commit() joins
+                    return  # the next commit() (or finish()) catches up and joins
+                self._catch_up()
             else:
                 self._catch_up_ranks()
         elif stopped and self.checkpointer is not None:
@@ -325,20 +325,20 @@ class FTReplica:
             self._take_join_step()
 
     def _join_after_warm_up(self) -> None:
-        """Join after the loop computed one step on the caught-up state, and drop that step.
+        """Catch up and join, after the loop computed one step and this replica dropped it.
 
         A fresh process's first forward and backward are slow: every allocation is
         page-faulted in, every kernel runs for the first time (on a GPU: the CUDA context,
         autotuning, compilation). Measured at 10M parameters on 2 cores: a first forward of
         0.42-0.46 s against 0.09-0.19 s, which the members waited for in the joiner's first
-        all-reduce. torchft's healing replica pays it in the step it heals in, whose gradient
-        it zeroes; this replica pays it before it registers ready. The members went on
-        meanwhile: it replays their log (or takes a newer snapshot) before joining.
+        all-reduce. torchft's healing replica computes that step while its state arrives and
+        zeroes its gradient; this replica computes it on the state it started with, before it
+        asks for the donor's (beside the transfer, on two cores, both were slower).
         """
         warm_up_s = time.monotonic() - self._warming_since
         self._warming_since = None
         release_grads(self._params)
-        self.objects.load_carry(self._carry)  # the batch it drew is not this replica's yet
+        self.objects.load_carry(self._carry)  # the batch it drew is not this replica's
         self._catch_up()
         self.catchup_stats["warm_up_s"] = warm_up_s
         self._join(watch=True)
@@ -947,15 +947,12 @@ class FTReplica:
         the leader assigns next; with no donor at all the replica joins with a full sync.
         """
         started, failed = time.monotonic(), set()
-        # A second call (after the warm-up step) adds to the first one's figures.
-        stats = self.catchup_stats = self.catchup_stats or {
-            "bytes": 0, "steps_replayed": 0, "donors": [], "duration_s": 0.0}
+        stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
         while True:
             donor, addr = self._assigned_donor(avoid=failed)
             if donor is None:
                 return
-            if stats["donors"][-1:] != [donor]:
-                stats["donors"].append(donor)
+            stats["donors"].append(donor)
             try:
                 head = self._replay_from(addr)
                 if head is None:  # no snapshot yet, or the log moved past us
@@ -977,9 +974,8 @@ class FTReplica:
             if head is not None and head - self.step <= READY_LAG:
                 break
         self._donor_addr = addr
-        took = time.monotonic() - started
-        stats["duration_s"] += took
-        metrics.CATCHUP_DURATION.labels(*self._labels).observe(took)
+        stats["duration_s"] = time.monotonic() - started
+        metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
         log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
                  self.step, donor, stats)
 
