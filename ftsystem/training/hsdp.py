@@ -88,8 +88,8 @@ gradients on a GPU or of several buckets (see :func:`overlap_by_default`)."""
 ENV_BUCKET_BYTES = "FTSYSTEM_BUCKET_BYTES"
 """Largest gradient bucket of the overlap (default 25 MiB, like DDP's ``bucket_cap_mb``)."""
 ENV_WARM_UP = "FTSYSTEM_WARM_UP"
-"""``1`` (default): a joiner computes one step of the loop, thrown away, before it joins (see
-:meth:`FTReplica._join_after_warm_up`); ``0``: it joins as soon as it caught up."""
+"""``1`` (default): a joiner computes one step of the loop, thrown away, before it catches up
+and joins (see :meth:`FTReplica._join_after_warm_up`); ``0``: it catches up at once."""
 ENV_CATCHUP_PAUSE = "FTSYSTEM_CATCHUP_PAUSE_S"
 """Fault injection: a joiner waits this long after loading a snapshot (a slow link)."""
 ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"
@@ -324,7 +324,7 @@ class FTReplica:
         if self._offers_join_step:
             self._take_join_step()
 
-    def _join_after_warm_up(self) -> None:
+    def _join_after_warm_up(self, warm_up_s: float | None) -> None:
         """Catch up and join, after the loop computed one step and this replica dropped it.
 
         A fresh process's first forward and backward are slow: every allocation is
@@ -335,12 +335,12 @@ class FTReplica:
         zeroes its gradient; this replica computes it on the state it started with, before it
         asks for the donor's (beside the transfer, on two cores, both were slower).
         """
-        warm_up_s = time.monotonic() - self._warming_since
         self._warming_since = None
         release_grads(self._params)
         self.objects.load_carry(self._carry)  # the batch it drew is not this replica's
         self._catch_up()
-        self.catchup_stats["warm_up_s"] = warm_up_s
+        if warm_up_s is not None:
+            self.catchup_stats["warm_up_s"] = warm_up_s
         self._join(watch=True)
 
     def _take_join_step(self) -> None:
@@ -400,13 +400,14 @@ class FTReplica:
         """Average the gradients over the epoch's members and run the step function on them.
 
         Returns False when the gradients were dropped because this replica's state was replaced
-        by a more advanced member's at an epoch change; the caller simply goes on with
+        by a more advanced member's at an epoch change, or because the step was a joining
+        replica's warm-up (see ``warm_up``: it caught up and joined since); the caller simply goes on with
         ``self.step`` (a registered data loader is then at the replaced state's position).
         ``loss`` and ``samples`` of the step only feed the metrics. Either way the gradients
         are None afterwards, as after ``optimizer.zero_grad()``.
         """
-        if self._warming_since is not None:
-            self._join_after_warm_up()
+        if self._warming_since is not None:  # this step was the warm-up
+            self._join_after_warm_up(time.monotonic() - self._warming_since)
             return False
         self.faults.check(self.step, "step")
         overlapped, self._overlap_armed = self._overlap_armed, False
@@ -1119,8 +1120,8 @@ class FTReplica:
         A replica still restarting when the others reach the last step needs a peer to load
         the final state from; the done replicas keep entering epochs that contain it.
         """
-        if self._warming_since is not None:  # caught up to the last step: nothing to warm
-            self._join_after_warm_up()
+        if self._warming_since is not None:  # the loop computed no step: none was left
+            self._join_after_warm_up(None)
         self._member_state = ReplicaState.DONE
         if self.control.speaks_for_replica and \
                 self.control.get_json(keys.finished(self.ctx.job)) is None:
