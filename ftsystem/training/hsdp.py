@@ -246,6 +246,7 @@ class FTReplica:
             warm_up = os.environ.get(ENV_WARM_UP, "1") != "0"
         self._warm_up = warm_up
         self._warming_since: float | None = None  # start() returned to compute the warm-up
+        self._registered_addresses: dict[str, str] = {}  # by start()
         self._absent = 0  # members taking part in the next all-reduce with no gradient
         self._join_carry = b""  # the loop-advanced objects' states of the join step
         self._spare_buffer: torch.Tensor | None = None  # for the next gradients' sum
@@ -291,7 +292,8 @@ class FTReplica:
         """
         self.objects.freeze()
         self._carry = self.objects.carry()
-        addresses = self._addresses()
+        # Once: it gathers over the replica's ranks and starts the metrics endpoint.
+        addresses = self._registered_addresses = self._addresses()
         epoch = self.control.epoch
         running = epoch is not None and epoch.members and not epoch.paused
         # The ranks read the epoch at slightly different times: they decide together.
@@ -316,7 +318,7 @@ class FTReplica:
         if watch:  # the join epoch's group is built as soon as it is published
             self.ftar.watch(newer_than=self.control.epoch.number)
         self.control.register(state=ReplicaState.READY, step=self.step, catchup={},
-                              **self._addresses())
+                              **self._registered_addresses)
         if self._offers_join_step:  # its zeros, ready before the members come to sum them
             self._spare_buffer = torch.zeros(self._numel, dtype=self._dtype,
                                              device=self._device)
