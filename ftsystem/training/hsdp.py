@@ -403,8 +403,9 @@ class FTReplica:
 
         Returns False when the gradients were dropped because this replica's state was replaced
         by a more advanced member's at an epoch change, or because the step was a joining
-        replica's warm-up (see ``warm_up``: it caught up and joined since); the caller simply goes on with
-        ``self.step`` (a registered data loader is then at the replaced state's position).
+        replica's warm-up (see ``warm_up``: it caught up and joined since); the caller simply
+        goes on with ``self.step`` (a registered data loader is then at the replaced state's
+        position).
         ``loss`` and ``samples`` of the step only feed the metrics. Either way the gradients
         are None afterwards, as after ``optimizer.zero_grad()``.
         """
