@@ -24,10 +24,12 @@ def test_a_killed_rank_restarts_its_replica_which_catches_up_shard_by_shard(tmp_
     assert results["r1"]["generation"] == 1  # rank 0 was not killed, yet restarted with rank 1
     assert summary["steps"] == 80 and summary["agents_ok"]
     # Each rank of the restarted replica loaded its own shard from the same rank of the donor,
-    # while the donor trained on (a snapshot plus logged updates), before joining.
+    # while the donor trained on (a snapshot plus logged updates), before joining; its ranks
+    # first computed a warm-up step together, thrown away.
     for rank, stats in enumerate(results["r1"]["shard_catchup"]):
         assert stats["donors"] == ["r0"], (rank, stats)
         assert stats["bytes"] > 0 and stats["snapshot_step"] >= 15, (rank, stats)
+        assert stats["warm_up_s"] > 0, (rank, stats)
     joined = [e for e in results["r1"]["epochs"] if e["reason"] == "join"]
     assert joined and joined[0]["members"] == ["r0", "r1"]
     # The vote: r0's failed all-reduce at step 60 asked for a new epoch, nobody committed

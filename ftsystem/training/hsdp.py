@@ -175,8 +175,8 @@ class FTReplica:
         commit: a program accumulating gradients over several must pass False. Replicas of
         several ranks never overlap (their FSDP reduce-scatter does, inside the replica).
 
-        ``warm_up``: a replica of one rank that joins a running job first computes one step
-        of the loop and drops it (its :meth:`commit` returns False, having caught up and
+        ``warm_up``: a replica that joins a running job first computes one step of the loop
+        and drops it (its :meth:`commit` returns False, having caught up and
         joined), so that the members do not wait for its cold first forward and backward
         (default: ``FTSYSTEM_WARM_UP``, else True)."""
         self.ctx = ctx or ReplicaContext.from_env()
@@ -300,14 +300,11 @@ class FTReplica:
         (stopped,) = self.replica.any(not running)
         if not stopped and os.environ.get(ENV_CATCHUP_MODE, "nonblocking") != "blocking":
             self.control.register(state=ReplicaState.CATCHING_UP, step=self.step, **addresses)
-            if self.replica.size == 1:
-                self._offers_join_step = True
-                if self._warm_up:
-                    self._warming_since = time.monotonic()
-                    return  # the next commit() (or finish()) catches up and joins
-                self._catch_up()
-            else:
-                self._catch_up_ranks()
+            self._offers_join_step = self.replica.size == 1
+            if self._warm_up:
+                self._warming_since = time.monotonic()
+                return  # the next commit() (or finish()) catches up and joins
+            self._catch_up_replica()
         elif stopped and self.checkpointer is not None:
             self._resume_from_disk()
         self._join(watch=not stopped)
@@ -340,7 +337,7 @@ class FTReplica:
         self._warming_since = None
         release_grads(self._params)
         self.objects.load_carry(self._carry)  # the batch it drew is not this replica's
-        self._catch_up()
+        self._catch_up_replica()
         if warm_up_s is not None:
             self.catchup_stats["warm_up_s"] = warm_up_s
         self._join(watch=True)
@@ -943,6 +940,12 @@ class FTReplica:
         self.heartbeat.beat(self.step)
 
     # --- catch-up (joiner side) -------------------------------------------------------------
+
+    def _catch_up_replica(self) -> None:
+        if self.replica.size == 1:
+            self._catch_up()
+        else:
+            self._catch_up_ranks()
 
     def _catch_up(self) -> None:
         """Load a donor's snapshot and replay its log until within ``READY_LAG`` steps.
