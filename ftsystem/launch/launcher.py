@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,10 @@ class RunConfig:
     checkpoint_every: int = 0
     """Disk checkpoints every this many steps in ``out_dir/checkpoints`` (0: none); the job
     resumes from the newest complete one when every replica has died."""
+
+
+PROGRESS_STOP_S = 5.0
+"""How long the progress display may take to finish its last read of etcd."""
 
 
 def replica_id(index: int) -> str:
@@ -358,16 +363,27 @@ def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents,
                TimeElapsedColumn())
     with Progress(*columns) as progress:
         task = progress.add_task(cfg.job, total=cfg.num_steps, info="")
-        asyncio.run(_follow_progress(cfg.job, etcd, agents, lambda view: progress.update(
-            task, completed=max(view["step"], progress.tasks[0].completed), info=view["info"])))
+        stop = threading.Event()
+        # The main thread only waits, so that a Ctrl-C lands there and stops the job. In an
+        # event loop it was a cancellation, which a call into etcd could swallow: twice in a
+        # loaded test run `ftsystem run` went on for over a minute after SIGINT.
+        follower = threading.Thread(target=asyncio.run, daemon=True, name="progress", args=(
+            _follow_progress(cfg.job, etcd, stop, lambda view: progress.update(
+                task, completed=max(view["step"], progress.tasks[0].completed),
+                info=view["info"])),))
+        follower.start()
+        try:
+            agents.wait()
+        finally:
+            stop.set()
+            follower.join(PROGRESS_STOP_S)
 
 
-async def _follow_progress(job: str, etcd: str, agents: NodeAgents,
+async def _follow_progress(job: str, etcd: str, stop: threading.Event,
                            show: Callable[[dict], None]) -> None:
-    """Show the job's progress every half second, over one etcd connection, until the agents
-    have exited."""
+    """Show the job's progress every half second, over one etcd connection, until ``stop``."""
     async with Store(etcd) as store:
-        while agents.running():
+        while not stop.is_set():
             try:
                 show(await _peek(store, job))
             except StoreError as e:  # the job rides out etcd outages; so does its progress bar
