@@ -364,9 +364,9 @@ def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents,
     with Progress(*columns) as progress:
         task = progress.add_task(cfg.job, total=cfg.num_steps, info="")
         stop = threading.Event()
-        # The main thread only waits, so that a Ctrl-C lands there and stops the job. In an
-        # event loop it was a cancellation, which a call into etcd could swallow: twice in a
-        # loaded test run `ftsystem run` went on for over a minute after SIGINT.
+        # The main thread only waits: a Ctrl-C raises KeyboardInterrupt there and the job's
+        # `finally` stops it, with no asyncio cancellation (which an etcd call could swallow)
+        # on the way.
         follower = threading.Thread(target=asyncio.run, daemon=True, name="progress", args=(
             _follow_progress(cfg.job, etcd, stop, lambda view: progress.update(
                 task, completed=max(view["step"], progress.tasks[0].completed),
