@@ -66,6 +66,11 @@ def test_torchft_transfer_time_comes_from_its_transport_log(tmp_path) -> None:
     assert _torchft_fetch_s(tmp_path / "elsewhere") is None
 
 
+def test_rounds_launch_the_joiner_evenly_over_the_members_step() -> None:
+    assert [rejoin.launch_phase(r, 3) for r in range(3)] == pytest.approx([1 / 6, 0.5, 5 / 6])
+    assert rejoin.launch_phase(0, 1) == 0.5
+
+
 def test_unknown_system_is_refused() -> None:
     result = CliRunner().invoke(app, ["bench", "rejoin", "--systems", "ftsystem,ray"])
     assert result.exit_code != 0 and "unknown system(s) ray" in result.output
@@ -105,3 +110,4 @@ def test_quick_run_writes_every_figure(tmp_path) -> None:
         assert set(ours[figure]) == {"median", "min", "max"}, figure
     assert ours["time_to_join_s"]["median"] > 0 and ours["transfer_bytes_per_s"]["median"] > 0
     assert ours["rounds"][0]["catchup"]["snapshot_bytes"] > 0
+    assert data["launch_phases"] == [0.5] and ours["rounds"][0]["launch_phase"] == 0.5

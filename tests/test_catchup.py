@@ -238,6 +238,8 @@ def test_join_while_training(etcd, job_id, tmp_path, monkeypatch, warm_up):
     # the batch it drew and its dropout did not leave it off the members' state (checked above)
     assert ("warm_up_s" in catchup) == warm_up
     assert not warm_up or catchup["warm_up_s"] > 0
+    # and its snapshot arrived during that step, in tensors of its own, loaded after it
+    assert catchup.get("prefetched", False) == warm_up
     # the members let it in with a log-based sync, not a full-state transfer
     join = [e for e in load_results(tmp_path)["r0"]["epochs"] if e["reason"] == "join"]
     assert join, "no join epoch"

@@ -8,7 +8,7 @@ import pytest
 
 from ftsystem.measure.ettr import LiveEttr, ettr, job_timeline
 from ftsystem.measure.stall import (down_at, failure_stall, faults, normal_step_time,
-                                    survivor_stall)
+                                    phase_instant, survivor_stall)
 
 
 def steady(start: float, n: int, step: float = 0.1, first_step: int = 1):
@@ -221,3 +221,10 @@ def test_paced_ettr_evens_out_jitter_that_the_median_counts_as_lost() -> None:
     assert net_ettr([*step_gaps, 5.1], timeline[-1][1] + 5.1, 0.1, bound) == pytest.approx(
         1 - 5.0 / (timeline[-1][1] + 5.1))
     assert net_ettr(step_gaps, 20.0, 0.1, None) is None
+
+
+def test_phase_instant_is_a_fraction_of_a_normal_step_after_the_last_commit() -> None:
+    timeline = [(1, 10.0), (2, 11.0), (3, 12.0), (4, 15.0)]  # normal step: the median gap, 1 s
+    assert phase_instant(timeline, 0.25) == 15.25
+    assert phase_instant(timeline, 0.0) == 15.0
+    assert phase_instant(timeline[:1], 0.5) is None  # no step time yet

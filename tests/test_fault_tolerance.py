@@ -190,12 +190,20 @@ def _descendants(pid: int) -> set[int]:
     return children
 
 
+def _as_a_foreground_job() -> None:
+    """In the child before it runs: SIGINT back to its default. A shell without job control
+    starts a background command (``pytest ... &``) with SIGINT ignored, its children inherit
+    that, and Python then leaves Ctrl-C ignored: ``ftsystem run`` would rightly not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_run_leaves_no_process_behind(tmp_path):
     printed = tmp_path / "printed.txt"
     with printed.open("w") as out:
         run = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "run", "--replicas", "2",
                                 "--steps", "100000", "--out", str(tmp_path), "--sleep-per-step",
-                                "0.05"], stdout=out, stderr=subprocess.DEVNULL)
+                                "0.05"], stdout=out, stderr=subprocess.DEVNULL,
+                               preexec_fn=_as_a_foreground_job)
     try:
         # It says where to look first.
         wait_for(lambda: re.search(r"status page: http://127\.0\.0\.1:\d+/", printed.read_text()),

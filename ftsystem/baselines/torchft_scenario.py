@@ -388,9 +388,12 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
 
 
 def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optional[int],
-                       workdir: Path, join_after_s: float, sleep_per_step: float = 0.0,
-                       timeout_s: float = 600.0, joiner_niceness: int = 0) -> dict:
-    """Train ``num_replicas`` torchft replicas, then start one more ``join_after_s`` later.
+                       workdir: Path, sleep_per_step: float = 0.0, timeout_s: float = 600.0,
+                       joiner_niceness: int = 0,
+                       wait_to_join: Callable[[Callable[[], list]], None] = lambda _: None
+                       ) -> dict:
+    """Train ``num_replicas`` torchft replicas, then start one more once
+    ``wait_to_join`` returns (given a function reading replica 0's commits so far).
 
     The joiner (index ``num_replicas``) heals from a peer inside a quorum step, so the
     members' commits around ``join_started`` show the join stall. Returns ``join_started``
@@ -402,8 +405,7 @@ def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optio
         for index in range(num_replicas):
             cluster.add_replica(index)
         cluster.wait_until(lambda: _warmed_up(cluster), "all replicas to commit")
-        join_at = time.time() + join_after_s
-        cluster.wait_until(lambda: time.time() >= join_at, "the time to start the joiner")
+        wait_to_join(cluster.replicas[0].commits)
         join_started = time.time()
         joiner = cluster.add_replica(num_replicas, joiner_niceness)
         cluster.wait_until(cluster.all_finished, "all replicas to finish")

@@ -13,8 +13,9 @@ one: warm, its warm-up step came before its catch-up (cold in ``cold-join``). A 
 ended at the joiner's first commit counted that step only when a member's commit happened to
 precede the joiner's by a fraction of a millisecond.
 
-- ``ftsystem``: a warm-up step of the loop, thrown away, then non-blocking catch-up (snapshot +
-  update log from a donor), then a join epoch;
+- ``ftsystem``: a warm-up step of the loop, thrown away, while the donor's snapshot arrives,
+  then non-blocking catch-up (that snapshot loaded, the donor's update log replayed), then a
+  join epoch;
 - ``cold-join``: the same without the warm-up step (``FTSYSTEM_WARM_UP=0``): the joiner's first
   forward and backward run in a cold process after it joined, while the members wait;
 - ``blocking``: the first issue's join: the whole state is broadcast inside the join epoch;
@@ -36,6 +37,13 @@ load the checkpoint, for the same model and AdamW state. Neither includes waitin
 to take its copy. ``blocking`` sends its state inside the join epoch's collective: not timed on
 its own (null). The wire's own rate, ``loopback_bytes_per_s``, is measured once per round by
 :func:`loopback_rate`.
+
+Launch phase: the joiner is launched a fraction of a step after one of the members' commits,
+``(r + 0.5) / N`` in round r of N (the members' normal step time from their commits so far),
+the same for every system in a round. A joiner can join only at one of the members'
+all-reduces, so its time to join is a sawtooth of when it is launched in their step: launched
+always right after a commit (as before session 21), every round measured one point of it.
+Spread over the step, the rounds sample the whole tooth, and each system meets the same points.
 
 ``--rounds N`` runs every size N times, the order of the systems alternated per round; each
 figure is reported as its median and min/max over the rounds. Each round records the
@@ -77,6 +85,8 @@ and more after the joiner starts: its imports alone took 30 s on a loaded machin
 that arrives after the last step has nothing to join."""
 SYSTEMS = ("ftsystem", "cold-join", "blocking", "torchft")
 LOOPBACK_BYTES, LOOPBACK_CHUNK, LOOPBACK_TRIES = 1 << 30, 64 << 20, 3
+PHASE_TIMEOUT_S = 300.0
+"""How long the bench waits for a member's next commit before it launches the joiner."""
 QUICK_LOOPBACK = (256 << 20, 1)
 TARGETS = {"transfer_bytes_per_s": "ftsystem >= 1e9 and >= 0.2 x loopback at 100M",
            "join_stall_s": "ftsystem <= torchft at every size",
@@ -148,8 +158,27 @@ def _admit_when_warm(etcd: str, job: str, replica: str) -> None:
     asyncio.run(admit())
 
 
+def launch_phase(round_index: int, rounds: int) -> float:
+    """Where in the members' step round ``round_index`` of ``rounds`` launches the joiner
+    (0: at a commit, 1: at the next): evenly over the step, the same for every system."""
+    return (round_index + 0.5) / rounds
+
+
+def _wait_for_phase(commits: Callable[[], list], phase: float) -> None:
+    """Wait for a member's next commit (``commits`` reads its timeline so far), then for
+    ``phase`` of its normal step."""
+    seen = len(commits())
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while len(timeline := commits()) <= seen or \
+            (at := stall.phase_instant(timeline, phase)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no member committed in {PHASE_TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
+    time.sleep(max(0.0, at - time.time()))
+
+
 def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: Path,
-                 warm_up: bool = True) -> dict:
+                 warm_up: bool = True, phase: float = 0.0) -> dict:
     """Two members via ``run_job``; a third agent launched once they are warm."""
     os.environ["FTSYSTEM_CATCHUP"] = mode  # inherited by every replica
     os.environ["FTSYSTEM_WARM_UP"] = str(int(warm_up))
@@ -163,6 +192,8 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
             runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
             runner.start()
             _admit_when_warm(etcd.url, cfg.job, "r2")
+            _wait_for_phase(lambda: stall.read_timeline(cfg.out_dir / "results" / "r0.commits"),
+                            phase)
             launched = time.time()
             extra = ProcessGroup(cfg.out_dir)
             # The run's token, which its agents hand to their ranks' state servers.
@@ -189,11 +220,13 @@ def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: P
            {"transfer_note": "sent inside the join epoch's state sync: not timed apart"})}
 
 
-def run_torchft(*, params: int, steps: int, sleep: float, workdir: Path) -> dict:
+def run_torchft(*, params: int, steps: int, sleep: float, workdir: Path,
+                phase: float = 0.0) -> dict:
     from ftsystem.baselines.torchft_scenario import run_torchft_rejoin
     out = run_torchft_rejoin(num_replicas=2, steps=steps, model_params=params, workdir=workdir,
-                             join_after_s=0.0, sleep_per_step=sleep,
-                             timeout_s=TORCHFT_TIMEOUT_S, joiner_niceness=JOINER_NICENESS)
+                             sleep_per_step=sleep, timeout_s=TORCHFT_TIMEOUT_S,
+                             joiner_niceness=JOINER_NICENESS,
+                             wait_to_join=lambda commits: _wait_for_phase(commits, phase))
     by_index = {int(r["replica"]): r for r in out["results"]}
     members = {str(i): by_index[i]["commits"] for i in (0, 1)}
     fetch_s = _torchft_fetch_s(workdir)
@@ -247,15 +280,18 @@ def _step_stall(timeline: list, step: int) -> float | None:
     return max(0.0, times[step] - times[step - 1] - stall.normal_step_time(timeline))
 
 
-def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Path) -> dict:
-    """One run; a run that fails is recorded with its error and no figures, and the bench goes
-    on (a round of every size takes most of an hour here)."""
+def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Path,
+               phase: float = 0.0) -> dict:
+    """One run, its joiner launched at ``phase`` of the members' step; a run that fails is
+    recorded with its error and no figures, and the bench goes on (a round of every size
+    takes most of an hour here)."""
     try:
         if name == "torchft":
-            return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir)
+            return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir,
+                               phase=phase)
         return run_ftsystem(params=params, steps=steps, sleep=sleep, workdir=workdir,
                             mode="blocking" if name == "blocking" else "nonblocking",
-                            warm_up=name != "cold-join")
+                            warm_up=name != "cold-join", phase=phase)
     except (RuntimeError, TimeoutError) as e:
         typer.echo(f"{name} at {params:,} parameters failed: {e}", err=True)
         return {figure: None for figure in FIGURES} | {"error": str(e)}
@@ -301,9 +337,11 @@ def run_rounds(systems: list[str], plans: dict[int, tuple[int, float]], rounds: 
             for name in report.round_order(systems, r):
                 typer.echo(f"round {r + 1}/{rounds}: {params:,} parameters, {name} ...",
                            err=True)
+                phase = launch_phase(r, rounds)
                 runs[params][name].append(run_system(
-                    name, params=params, steps=steps, sleep=sleep,
-                    workdir=root / f"round{r}" / f"{name}-{params}") | {"round": r})
+                    name, params=params, steps=steps, sleep=sleep, phase=phase,
+                    workdir=root / f"round{r}" / f"{name}-{params}") | {"round": r,
+                                                                         "launch_phase": phase})
                 loopbacks[-1]["load_after"] = os.getloadavg()
                 after_run(loopbacks, runs)
     return loopbacks, runs
@@ -360,6 +398,7 @@ def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write 
             **summarize(loopbacks, runs), "rounds": len(loopbacks), "systems": chosen,
             "targets": TARGETS, "batch_size": BATCH_SIZE, "joiner_niceness": JOINER_NICENESS,
             "joiner_priority": joiner_priority(),
+            "launch_phases": [launch_phase(r, len(loopbacks)) for r in range(len(loopbacks))],
             "loopback_method": " ".join(loopback_rate.__doc__.split("\n\n")[1].split()),
             "machine": report.machine()})
 

@@ -41,6 +41,15 @@ def normal_step_time(timeline: Timeline) -> float:
     return statistics.median(g) if g else 0.0
 
 
+def phase_instant(timeline: Timeline, phase: float) -> float | None:
+    """The instant ``phase`` (0 to 1) of a normal step after the timeline's last commit; None
+    before it has two commits. A bench launching a joiner then lands at a chosen point of the
+    members' step, not wherever its own polling happens to put it."""
+    if len(timeline) < 2:
+        return None
+    return timeline[-1][1] + phase * normal_step_time(timeline)
+
+
 def survivor_stall(timeline: Timeline, fault_time: float, *, window: int = 3) -> float | None:
     """Stall of one survivor, or None if it committed nothing before or after the fault (it
     was not training then, or never resumed)."""

@@ -35,7 +35,9 @@ import io
 import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -46,8 +48,8 @@ from ftsystem.control import keys
 
 from ftsystem.measure import metrics
 from ftsystem.training.catchup import (DEFAULT_LOG_BUDGET_BYTES, DonorUnavailableError, LoggedUpdate,
-                              Snapshotter, StateServer, UpdateLog, fetch_head, fetch_log,
-                              fetch_snapshot, receiving_buffers, tensor_places)
+                              Snapshot, Snapshotter, StateServer, UpdateLog, fetch_head,
+                              fetch_log, fetch_snapshot, receiving_buffers, tensor_places)
 from ftsystem.training.checkpoint import Checkpointer, TrainingState
 from ftsystem.chaos.faults import FaultSchedule, InjectedFault
 from ftsystem.training.fingerprint import (GENESIS, WORDS, chain_next, from_words, judge, state_digest,
@@ -246,6 +248,7 @@ class FTReplica:
             warm_up = os.environ.get(ENV_WARM_UP, "1") != "0"
         self._warm_up = warm_up
         self._warming_since: float | None = None  # start() returned to compute the warm-up
+        self._prefetched: Future | None = None  # the donor's snapshot, during the warm-up
         self._registered_addresses: dict[str, str] = {}  # by start()
         self._absent = 0  # members taking part in the next all-reduce with no gradient
         self._join_carry = b""  # the loop-advanced objects' states of the join step
@@ -303,6 +306,8 @@ class FTReplica:
             self._offers_join_step = self.replica.size == 1
             if self._warm_up:
                 self._warming_since = time.monotonic()
+                if self.replica.size == 1:  # several ranks agree on a step by collectives
+                    self._prefetched = self._prefetch_snapshot()
                 return  # the next commit() (or finish()) catches up and joins
             self._catch_up_replica()
         elif stopped and self.checkpointer is not None:
@@ -331,13 +336,14 @@ class FTReplica:
         autotuning, compilation). Measured at 10M parameters on 2 cores: a first forward of
         0.42-0.46 s against 0.09-0.19 s, which the members waited for in the joiner's first
         all-reduce. torchft's healing replica computes that step while its state arrives and
-        zeroes its gradient; this replica computes it on the state it started with, before it
-        asks for the donor's (beside the transfer, on two cores, both were slower).
+        zeroes its gradient; this replica computes it on the state it started with, while a
+        thread of its own receives the donor's snapshot (:meth:`_prefetch_snapshot`).
         """
         self._warming_since = None
         release_grads(self._params)
         self.objects.load_carry(self._carry)  # the batch it drew is not this replica's
-        self._catch_up_replica()
+        prefetched, self._prefetched = self._prefetched, None
+        self._catch_up_replica(prefetched)
         if warm_up_s is not None:
             self.catchup_stats["warm_up_s"] = warm_up_s
         self._join(watch=True)
@@ -941,32 +947,39 @@ class FTReplica:
 
     # --- catch-up (joiner side) -------------------------------------------------------------
 
-    def _catch_up_replica(self) -> None:
+    def _catch_up_replica(self, prefetched: Future | None = None) -> None:
         if self.replica.size == 1:
-            self._catch_up()
+            self._catch_up(prefetched)
         else:
             self._catch_up_ranks()
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, prefetched: Future | None = None) -> None:
         """Load a donor's snapshot and replay its log until within ``READY_LAG`` steps.
 
         Runs while the members train. A donor that fails mid-transfer is replaced by the one
         the leader assigns next; with no donor at all the replica joins with a full sync.
+        ``prefetched``: (donor, its address, its snapshot or None) from
+        :meth:`_prefetch_snapshot`, used first.
         """
         started, failed = time.monotonic(), set()
         stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
         while True:
-            donor, addr = self._assigned_donor(avoid=failed)
+            if prefetched is not None:
+                (donor, addr, snapshot), prefetched = prefetched.result(), None
+            else:
+                (donor, addr), snapshot = self._assigned_donor(avoid=failed), None
             if donor is None:
                 return
             stats["donors"].append(donor)
             try:
                 head = self._replay_from(addr)
                 if head is None:  # no snapshot yet, or the log moved past us
-                    snapshot = fetch_snapshot(addr, self.ctx.timeout_s,
-                                              credentials=self._credentials,
-                                              into=self._receiving_tensors,
-                                              on_progress=self._report_catchup)
+                    if snapshot is None:
+                        snapshot = fetch_snapshot(
+                            addr, self.ctx.timeout_s, credentials=self._credentials,
+                            into=self._receiving_tensors, on_progress=self._report_catchup)
+                    else:
+                        stats["prefetched"] = True
                     self._load(snapshot.state)
                     self._fresh = False
                     stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
@@ -985,6 +998,39 @@ class FTReplica:
         metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])
         log.info("replica %s caught up to step %d from %s: %s", self.ctx.replica_id,
                  self.step, donor, stats)
+
+    def _prefetch_snapshot(self) -> Future:
+        """Ask the assigned donor for its snapshot now, and receive it in a thread of its own
+        while the loop computes the warm-up step: the wait for the donor's next commit and the
+        transfer then overlap that step instead of following it. It lands in tensors of its
+        own, not in the model's (the warm-up reads the parameters), and is loaded once the
+        step is done (:meth:`_catch_up`): the optimizer adopts its slots, the parameters are
+        copied. The future holds (donor, address, snapshot); None for a snapshot that failed,
+        asked for again after the warm-up."""
+        self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}  # its progress
+        future: Future = Future()
+
+        def fetch() -> None:
+            try:
+                future.set_result(self._fetch_first_snapshot())
+            except BaseException as e:  # noqa: BLE001 (raised again in the training thread)
+                future.set_exception(e)
+        threading.Thread(target=fetch, daemon=True, name="ftsystem-prefetch").start()
+        return future
+
+    def _fetch_first_snapshot(self) -> tuple[str | None, str, Snapshot | None]:
+        donor, addr = self._assigned_donor(avoid=set())
+        if donor is None:
+            return None, "", None
+        try:
+            return donor, addr, fetch_snapshot(
+                addr, self.ctx.timeout_s, credentials=self._credentials,
+                into=lambda layout: receiving_buffers({}, layout),
+                on_progress=self._report_catchup)
+        except DonorUnavailableError as e:
+            log.warning("replica %s: no snapshot from donor %s during the warm-up (%s); "
+                        "asking again after it", self.ctx.replica_id, donor, e)
+            return donor, addr, None
 
     def _catch_up_ranks(self) -> None:
         """Catch-up of a replica of several ranks: each rank fetches a snapshot of its shard
