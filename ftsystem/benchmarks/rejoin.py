@@ -398,7 +398,7 @@ def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write 
             **summarize(loopbacks, runs), "rounds": len(loopbacks), "systems": chosen,
             "targets": TARGETS, "batch_size": BATCH_SIZE, "joiner_niceness": JOINER_NICENESS,
             "joiner_priority": joiner_priority(),
-            "launch_phases": [launch_phase(r, len(loopbacks)) for r in range(len(loopbacks))],
+            "launch_phases": [launch_phase(r, rounds) for r in range(rounds)],
             "loopback_method": " ".join(loopback_rate.__doc__.split("\n\n")[1].split()),
             "machine": report.machine()})
 
