@@ -156,6 +156,11 @@ class ForkedHistory(RuntimeError):
     """A logged update does not continue this replica's commit chain (another history)."""
 
 
+def _new_catchup_stats() -> dict:
+    """A joiner's catch-up so far (its registration's ``catchup``, its result's)."""
+    return {"bytes": 0, "steps_replayed": 0, "donors": []}
+
+
 class FTReplica:
     """One replica's side of FT-HSDP: membership, FTAR of gradients, commits, state sync."""
 
@@ -962,7 +967,7 @@ class FTReplica:
         :meth:`_prefetch_snapshot`, used first.
         """
         started, failed = time.monotonic(), set()
-        stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
+        stats = self.catchup_stats = _new_catchup_stats()
         while True:
             if prefetched is not None:
                 (donor, addr, snapshot), prefetched = prefetched.result(), None
@@ -1007,7 +1012,7 @@ class FTReplica:
         step is done (:meth:`_catch_up`): the optimizer adopts its slots, the parameters are
         copied. The future holds (donor, address, snapshot); None for a snapshot that failed,
         asked for again after the warm-up."""
-        self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}  # its progress
+        self.catchup_stats = _new_catchup_stats()  # what _report_catchup shows meanwhile
         future: Future = Future()
 
         def fetch() -> None:
@@ -1044,7 +1049,7 @@ class FTReplica:
         the same step. The epoch's state sync replays the rest on all ranks together.
         """
         started = time.monotonic()
-        stats = self.catchup_stats = {"bytes": 0, "steps_replayed": 0, "donors": []}
+        stats = self.catchup_stats = _new_catchup_stats()
         step, state, head = -1, None, -1
         donor, addr = self._assigned_donor(avoid=set())
         try:
