@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ftsystem.benchmarks.fingerprint import summarize
 from ftsystem.cli import app
-from ftsystem.training.hsdp import DEFAULT_FINGERPRINT_EVERY
+from ftsystem.training.settings import DEFAULT_FINGERPRINT_EVERY
 
 
 def test_cost_pairs_each_rounds_digest_with_its_own_steps() -> None:

@@ -19,7 +19,7 @@ from ftsystem.training.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, 
                               Snapshotter, StateServer, UpdateLog, decode_state, encode_state,
                               fetch_layout, fetch_log, fetch_snapshot, receiving_buffers,
                               tensor_places, tree_tensors)
-from ftsystem.training.hsdp import join_step_absentees
+from ftsystem.training.entry_plan import join_step_absentees
 from ftsystem.training.fingerprint import GENESIS
 from ftsystem.training.state_access import Credentials, StateAccess
 from ftsystem.chaos.faults import FaultPoint

@@ -126,6 +126,6 @@ def test_the_core_imports_without_the_sim_extra():
     done = _without(("matplotlib", "simpy"),
                     "import ftsystem.cli, ftsystem.launch.launcher, ftsystem.example.train\n"
                     "ftsystem.cli.register_subcommands()\n"
-                    "import ftsystem.training.hsdp, agent.supervisor, controller.app\n"
+                    "import ftsystem.training.replica, agent.supervisor, controller.app\n"
                     "print('CORE OK')")
     assert "CORE OK" in done.stdout, done.stderr

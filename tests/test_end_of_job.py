@@ -9,7 +9,7 @@ import sys
 from agent.supervisor import EXIT_MISSED_THE_END, missed_the_end
 from ftsystem.control import keys
 from ftsystem.launch.launcher import RunConfig, run_job
-from ftsystem.training.hsdp import replicas_to_serve
+from ftsystem.training.end_of_job import replicas_to_serve
 from ftsystem.control.membership import Registration, ReplicaState
 
 JOB = "j"

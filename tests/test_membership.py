@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from ftsystem.training.ftar import plan_state_sync
 from ftsystem.control.membership import (CONFIRM_S, Epoch, LapseRule, LeaseReading, Policy,
                                  Registration, ReplicaState, assign_donors, decide,
                                  held_members, late_members, stale_members)
@@ -103,30 +102,6 @@ def test_decide_properties(members, raw, tick, min_replicas):
     assert all(nxt.generations[m] == registrations[m].generation for m in nxt.members)
 
 
-def test_sync_plan_job_start_broadcasts_from_member_zero():
-    assert plan_state_sync([0, 0, 0], [True, True, True]) == (0, [1, 2])
-
-
-def test_sync_plan_steady_state_moves_nothing():
-    assert plan_state_sync([9, 9], [False, False]) == (0, [])
-
-
-def test_sync_plan_joiner_and_uncommitted_step():
-    # member 1 committed step 10, member 0 did not; member 2 is a fresh joiner
-    assert plan_state_sync([10, 11, 0], [False, False, True]) == (1, [0, 2])
-
-
-@given(st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=6))
-def test_sync_plan_properties(members):
-    steps, fresh = [s for s, _ in members], [f for _, f in members]
-    donor, receivers = plan_state_sync(steps, fresh)
-    synced = [i for i, f in enumerate(fresh) if not f]
-    if synced:
-        assert not fresh[donor] and steps[donor] == max(steps[i] for i in synced)
-    assert donor not in receivers
-    # after the transfer everybody holds the donor's state
-    assert all(steps[i] == steps[donor] and not fresh[i]
-               for i in range(len(steps)) if i not in receivers and i != donor)
 
 
 def test_donors_are_spread_and_kept():

@@ -16,8 +16,8 @@ from torch import nn
 
 from ftsystem.control.etcd_server import free_port
 from ftsystem.chaos.faults import FaultPoint
-from ftsystem.training.hsdp import (ENV_BUCKET_BYTES, ENV_OVERLAP, MIN_CPU_OVERLAP_BUCKETS, _env_int,
-                           overlap_by_default)
+from ftsystem.training.gradient_sum import MIN_CPU_OVERLAP_BUCKETS, overlap_by_default
+from ftsystem.training.settings import ENV_BUCKET_BYTES, ReplicaSettings
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.training.overlap import OverlapInvalid, OverlappedGradSum, plan_buckets
 
@@ -247,21 +247,18 @@ def test_a_job_with_the_overlap_on_survives_a_kill_and_a_failed_allreduce(
         assert results[rid]["overlapped_commits"] > len(results[rid]["commits"]) // 2, rid
 
 
-def test_a_malformed_size_in_the_environment_names_the_variable(monkeypatch):
-    monkeypatch.setenv(ENV_BUCKET_BYTES, "25MB")
+def test_a_malformed_size_in_the_environment_names_the_variable():
     with pytest.raises(ValueError, match="FTSYSTEM_BUCKET_BYTES='25MB': expected a positive"):
-        _env_int(ENV_BUCKET_BYTES, 1)
-    monkeypatch.setenv(ENV_BUCKET_BYTES, "4096")
-    assert _env_int(ENV_BUCKET_BYTES, 1) == 4096
+        ReplicaSettings.from_env({ENV_BUCKET_BYTES: "25MB"})
+    assert ReplicaSettings.from_env({ENV_BUCKET_BYTES: "4096"}).bucket_bytes == 4096
 
 
-def test_cpu_gradients_overlap_by_default_only_when_they_span_several_buckets(monkeypatch):
-    monkeypatch.delenv(ENV_OVERLAP, raising=False)
+def test_cpu_gradients_overlap_by_default_only_when_they_span_several_buckets():
     params = list(nn.Linear(100, 10).parameters())  # 1010 float32: 4040 bytes
     assert not overlap_by_default(params, bucket_cap_bytes=4040 // MIN_CPU_OVERLAP_BUCKETS + 1)
     assert overlap_by_default(params, bucket_cap_bytes=4040 // MIN_CPU_OVERLAP_BUCKETS)
     assert not overlap_by_default([], bucket_cap_bytes=1)
-    monkeypatch.setenv(ENV_OVERLAP, "0")
-    assert not overlap_by_default(params, bucket_cap_bytes=1)
-    monkeypatch.setenv(ENV_OVERLAP, "1")
-    assert overlap_by_default(params, bucket_cap_bytes=10**9)
+    assert not overlap_by_default(params, bucket_cap_bytes=1, setting=False)
+    assert overlap_by_default(params, bucket_cap_bytes=10**9, setting=True)
+    assert ReplicaSettings.from_env({"FTSYSTEM_OVERLAP": "0"}).overlap is False
+    assert ReplicaSettings.from_env({}).overlap is None

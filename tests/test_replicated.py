@@ -10,7 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ftsystem.chaos.faults import FaultPoint, FaultSchedule, parse_fault_point
 from ftsystem.training.fingerprint import (GENESIS, chain_next, from_words, judge, state_digest,
                                   to_words)
-from ftsystem.training.ftar import plan_state_sync
+from ftsystem.training.entry_plan import MemberRow, plan_entry
 from ftsystem.training.replicated import (Batches, RegistrationError, ReplicatedObjects, RNGState)
 
 # torchdata 0.11 calls a torch API that torch has deprecated since.
@@ -113,11 +113,15 @@ def test_judge_names_the_minority_or_finds_no_majority():
     assert not judge([a, b, c]).repairable
 
 
-def test_plan_state_sync_resyncs_a_fork_at_the_same_step():
+def test_the_entry_plan_resyncs_a_fork_at_the_same_step():
     x, y = b"x" * 16, b"y" * 16
-    assert plan_state_sync([9, 9, 9], [False] * 3, [x, x, x]) == (0, [])
-    assert plan_state_sync([9, 9, 9], [False] * 3, [x, y, x]) == (0, [1])
-    assert plan_state_sync([8, 9, 9], [False] * 3, [y, x, x]) == (1, [0])
+
+    def plan(steps, chains):
+        p = plan_entry([MemberRow(step=s, chain=c) for s, c in zip(steps, chains)])
+        return p.donor, list(p.receivers)
+    assert plan([9, 9, 9], [x, x, x]) == (0, [])
+    assert plan([9, 9, 9], [x, y, x]) == (0, [1])
+    assert plan([8, 9, 9], [y, x, x]) == (1, [0])
 
 
 def test_sync_and_donate_faults_fire_at_the_first_chance_at_or_after_their_step():

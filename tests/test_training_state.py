@@ -1,8 +1,10 @@
 """The whole training state of a real loop, end to end: registered objects travel, catch-up
 replays the user's step function, divergence is found and repaired or stops the job.
 
-The loop is ``ftsystem.example.train``: AdamW, a warmup+cosine ``LambdaLR``, a ``GradScaler``,
-clipping of the averaged gradient, dropout, a torchdata ``StatefulDataLoader``. Real etcd,
+The loop is ``ftsystem.example.train``: AdamW, a warmup+cosine ``LambdaLR`` written with numpy,
+a ``GradScaler``, clipping of the averaged gradient, dropout, a torchdata ``StatefulDataLoader``
+shuffling a dataset shorter than the job, and here also an EMA (``AveragedModel``) and a frozen
+layer. Real etcd,
 agents, controllers and replica processes; kills are real SIGKILLs at exact fault points.
 ``state_hash`` covers parameters, optimizer state, scheduler, scaler and loader position.
 """
@@ -20,6 +22,10 @@ from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 pytestmark = pytest.mark.slow
+
+
+REAL_LOOP = ["--ema", "0.99", "--freeze", "pos", "--passes", "5"]
+"""An EMA registered, a frozen layer, and at least five shuffled passes over the data."""
 
 
 def _results(cfg: RunConfig) -> dict[str, dict]:
@@ -48,7 +54,7 @@ def test_kills_in_every_phase_leave_every_replica_with_the_same_whole_state(etcd
              ReplicaKill(2, FaultPoint(late - 10, "sync"))]
     cfg = RunConfig(num_replicas=3, nproc_per_node=ranks, num_steps=late + 120,
                     etcd=etcd.url, job=job_id, out_dir=tmp_path, kills=kills,
-                    train_args=["--sleep-per-step", "0.05", "--linger", "60"],
+                    train_args=["--sleep-per-step", "0.05", "--linger", "60", *REAL_LOOP],
                     show_progress=False)
     summary = run_job(cfg)
     results = _results(cfg)
@@ -67,11 +73,40 @@ def test_kills_in_every_phase_leave_every_replica_with_the_same_whole_state(etcd
         {k: r["divergences"] for k, r in results.items()}
 
 
+def test_a_joiner_that_copied_a_donor_gone_bad_never_outvotes_the_healthy_replicas(
+        etcd, job_id, tmp_path, monkeypatch):
+    # r1 dies at step 30 and catches up from a donor that corrupts a parameter just before
+    # the snapshot is taken (whichever member the leader assigns). Donor and joiner then hold
+    # the same bad state: two of four. The joiner's copy is no vote of its own, so the two
+    # healthy members are the majority, and the bad two receive their state.
+    monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "20")
+    kills = [ReplicaKill(1, FaultPoint(30, "step"))] + \
+        [ReplicaKill(r, FaultPoint(30, "corrupt-donate")) for r in (0, 2, 3)]
+    cfg = RunConfig(num_replicas=4, min_replicas=3, num_steps=140, etcd=etcd.url, job=job_id,
+                    out_dir=tmp_path, kills=kills,
+                    train_args=["--sleep-per-step", "0.03", "--linger", "30", *REAL_LOOP],
+                    show_progress=False)
+    summary = run_job(cfg)
+    results = _results(cfg)
+
+    assert summary["agents_ok"] and summary["replicas_finished"] == 4, summary
+    assert summary["bitwise_identical"], {k: r["state_hash"] for k, r in results.items()}
+    donors = set(results["r1"]["catchup"]["donors"])
+    reported = {e["replica"] for e in _events(etcd.url, job_id, tmp_path)
+                if e["kind"] == "divergence"}
+    # The corruption was found, and only in the replicas that held it.
+    assert reported and reported <= donors | {"r1"}, (reported, donors)
+    healthy = {"r0", "r2", "r3"} - donors
+    assert not reported & healthy and len(healthy) == 2
+
+
 def test_a_corrupted_replica_is_found_reported_and_repaired(etcd, job_id, tmp_path,
                                                             monkeypatch):
     monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "20")
-    cfg = RunConfig(num_replicas=3, num_steps=120, etcd=etcd.url, job=job_id, out_dir=tmp_path,
-                    kills=[ReplicaKill(1, FaultPoint(50, "corrupt"))],
+    # min_replicas=3: nobody trains before all three are in (a replica that joined after step
+    # 50 would never commit it, nor corrupt it).
+    cfg = RunConfig(num_replicas=3, min_replicas=3, num_steps=120, etcd=etcd.url, job=job_id,
+                    out_dir=tmp_path, kills=[ReplicaKill(1, FaultPoint(50, "corrupt"))],
                     train_args=["--sleep-per-step", "0.02", "--linger", "30"],
                     show_progress=False)
     summary = run_job(cfg)

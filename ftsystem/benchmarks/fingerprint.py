@@ -138,7 +138,7 @@ def fingerprint(
     Quick: --sizes 200K --rounds 1."""
     import torch
 
-    from ftsystem.training.hsdp import DEFAULT_FINGERPRINT_EVERY
+    from ftsystem.training.settings import DEFAULT_FINGERPRINT_EVERY
 
     try:
         params_list = overhead.parse_sizes(sizes)

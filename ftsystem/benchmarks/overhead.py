@@ -42,7 +42,7 @@ import typer
 from ftsystem.measure import report
 from ftsystem.cli import bench_app
 
-ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"  # ftsystem.training.hsdp's; not imported: torch
+ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"  # ftsystem.training.settings'; not imported: torch
 
 SYSTEMS = ("ddp", "ftsystem", "ftsystem-overlap", "ftsystem-digest10", "torchft")
 DIGEST_STRESS_EVERY = 10

@@ -8,7 +8,7 @@ the joiner's time from launch to its first commit, and the rate of its state tra
 The window takes in the step after the join: a joiner's first forward and backward runs in a
 fresh process (cold caches, first allocations), and the members wait for it at that step's
 all-reduce. torchft's joiner computes it in the step it heals at; ftsystem's joiner takes its
-join step with zeros (``FTReplica._take_join_step``), so its first computed step is the next
+join step with zeros (phase ``JOIN_STEP`` of ``FTReplica``), so its first computed step is the next
 one: warm, its warm-up step came before its catch-up (cold in ``cold-join``). A window that
 ended at the joiner's first commit counted that step only when a member's commit happened to
 precede the joiner's by a fraction of a millisecond.

@@ -15,19 +15,24 @@ Phases:
 - ``donate``: SIGKILL when this replica, at or after the step, serves a joiner's catch-up
   (a donor dying mid-transfer);
 - ``corrupt``: no kill: one parameter value changes in memory after the step (a bad memory
-  cell); the periodic state digest must find and repair it.
+  cell); the periodic state digest must find and repair it;
+- ``corrupt-donate``: no kill: when this replica, at or after the step, serves a joiner's
+  catch-up, it corrupts a parameter at its next commit, before the snapshot is taken (a donor
+  gone bad just before the transfer: the joiner copies the bad state).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 from ftsystem.training.runtime import ENV_KILL_AT
 
-PHASES = ("step", "allreduce", "fail-allreduce", "sync", "donate", "corrupt")
-AT_OR_AFTER = ("sync", "donate")
+PHASES = ("step", "allreduce", "fail-allreduce", "sync", "donate", "corrupt", "corrupt-donate")
+AT_OR_AFTER = ("sync", "donate", "corrupt-donate", "corrupt-next")
+"""(``corrupt-next``: what a ``corrupt-donate`` point leaves for the training thread.)"""
 """Phases that fire at the first such moment at or after their step (an epoch's state sync, a
 catch-up served to a joiner), which no test could place at an exact step."""
 
@@ -60,6 +65,7 @@ def format_fault_points(points: list[FaultPoint]) -> str:
 class FaultSchedule:
     def __init__(self, points: list[FaultPoint]) -> None:
         self.points = set(points)
+        self._lock = threading.Lock()  # the state server's thread adds points
 
     @classmethod
     def from_env(cls) -> "FaultSchedule":
@@ -68,18 +74,25 @@ class FaultSchedule:
 
     def fires(self, step: int, phase: str) -> bool:
         """Whether a point of ``phase`` is due at ``step`` (spent once it fired)."""
-        due = {p for p in self.points if p.phase == phase and
-               (p.step == step or (phase in AT_OR_AFTER and p.step <= step))}
-        self.points -= due
+        with self._lock:
+            due = {p for p in self.points if p.phase == phase and
+                   (p.step == step or (phase in AT_OR_AFTER and p.step <= step))}
+            self.points -= due
         return bool(due)
+
+    def add(self, point: FaultPoint) -> None:
+        """A point that another one leads to (``corrupt-donate`` to ``corrupt-next``)."""
+        with self._lock:
+            self.points.add(point)
 
     def check(self, step: int, phase: str) -> None:
         """Act on the fault point at (``step``, ``phase``), if there is one."""
         point = FaultPoint(step, phase)
         if phase in AT_OR_AFTER and self.fires(step, phase):
             os.kill(os.getpid(), signal.SIGKILL)
-        if point not in self.points:
-            return
+        with self._lock:
+            if point not in self.points:
+                return
         if phase == "fail-allreduce":
             self.points.discard(point)  # once: the retry of the same step must succeed
             raise InjectedFault(f"injected all-reduce failure at step {step}")

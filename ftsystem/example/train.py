@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import hashlib
 import json
-import math
 import os
 import logging
 import time
@@ -30,12 +29,14 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.distributed.fsdp import fully_shard
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ftsystem.training.devices import local_device
-from ftsystem.training.hsdp import FTReplica
+from ftsystem.training.replica import FTReplica
 from ftsystem.training.replica_group import init_replica_group
 from ftsystem.training.replicated import Batches
 from ftsystem.example.workload import MarkovBatches, MarkovLanguage, ModelConfig, TinyGPT, num_params
@@ -69,6 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="real: the loop above; plain: the minimal one (optimizer.step() after "
                         "averaging, batches by step; no scheduler, scaler, clipping, dropout "
                         "or loader), as the benchmarks' baselines run it")
+    p.add_argument("--ema", type=float, default=0.0,
+                   help="keep an exponential moving average of the weights with this decay "
+                        "(torch.optim.swa_utils.AveragedModel, registered; 0: none)")
+    p.add_argument("--freeze", choices=("none", "pos"), default="none",
+                   help="freeze the position embedding (a frozen layer: no gradient, never "
+                        "moved by weight decay or momentum)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="the loader's data is this many times shorter than the job, so it "
+                        "makes this many shuffled passes over it")
     p.add_argument("--forget-scheduler", action="store_true",
                    help="a bug on purpose: do not register the LR scheduler (the replicas' "
                         "states then diverge after a restart, and the digests must say so)")
@@ -84,7 +94,9 @@ def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+        # numpy, as such lambdas are often written: the scheduler then puts numpy floats
+        # into the optimizer's param_groups, which every state transfer carries.
+        return 0.1 + 0.45 * (1 + np.cos(np.pi * progress))
     return factor
 
 
@@ -100,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ranks = init_replica_group()  # also makes this rank's device current
     device = local_device()
     model = TinyGPT(cfg).to(device)
+    if args.freeze == "pos":
+        model.pos.weight.requires_grad_(False)
     if ranks > 1:
         shard_model(model)
     language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
@@ -129,6 +143,8 @@ def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
     """The replica of a real loop: a step function after averaging, everything registered."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup,
                                                                            args.steps))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema)) if args.ema \
+        else None
 
     def step_after_averaging() -> None:
         # A replayed step ran no forward pass, so scale() never initialized the scaler.
@@ -139,20 +155,26 @@ def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
+        if ema is not None:
+            ema.update_parameters(model)
 
     ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap)
     if not args.forget_scheduler:
         ft.register("lr_schedule", scheduler)
     ft.register("grad_scaler", scaler)
+    if ema is not None:
+        ft.register("ema", ema)
     return ft, ft.register_data("data", data_loader(language, model.cfg, args, ft))
 
 
 def data_loader(language: MarkovLanguage, cfg: ModelConfig, args: argparse.Namespace,
                 ft: FTReplica) -> StatefulDataLoader:
-    """This rank's shard, shuffled; the shuffle's seed is the job's, so every replica's loader
-    holds the same state (its position) at equal steps, while each reads its own shard."""
+    """This rank's shard, shuffled by a generator seeded with the job's seed (the recipe
+    ``register_data`` requires), so every replica's loader holds the same state (its position)
+    at equal steps and draws the same order in every pass, while each reads its own shard."""
     shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
-    dataset = MarkovBatches(language, shard=shard, num_batches=max(64, args.steps),
+    length = max(64, args.steps) if args.passes == 1 else -(-args.steps // args.passes)
+    dataset = MarkovBatches(language, shard=shard, num_batches=length,
                             batch_size=args.batch_size, seq_len=cfg.seq_len)
     return StatefulDataLoader(dataset, batch_size=None, shuffle=True,
                               generator=torch.Generator().manual_seed(args.seed))

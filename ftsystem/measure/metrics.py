@@ -101,7 +101,7 @@ CHAOS_STATES = ("done", "failed")
 EPOCH_REASONS = ("start", "join", "removal", "resync")
 """Why an epoch was published (``ftsystem.control.membership``)."""
 DIVERGENCE_FINDERS = ("state-digest", "commit-chain")
-"""How a divergence was found (``ftsystem.training.hsdp``)."""
+"""How a divergence was found (``ftsystem.training.integrity``)."""
 
 
 def init_controller(job: str) -> None:

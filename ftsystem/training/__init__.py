@@ -12,9 +12,9 @@ which only read the environment contract in ``runtime``, do not import torch.
 from importlib import import_module
 
 _PUBLIC = {
-    "FTReplica": "hsdp",
-    "ReplicaEvictedError": "hsdp",
-    "DivergenceError": "hsdp",
+    "FTReplica": "replica",
+    "ReplicaEvictedError": "replica",
+    "DivergenceError": "replica",
     "Checkpointer": "checkpoint",
     "TrainingState": "checkpoint",
 }

@@ -32,7 +32,7 @@ Joiner side: :func:`fetch_snapshot` receives the tensors' bytes straight into th
 state tensors where their layout matches (``recv_into``: no allocation, no copy afterwards),
 and the rest (a fresh optimizer's state) into tensors it allocates and zeroes from the donor's
 layout while the donor waits for its next commit (:func:`receiving_buffers`); :func:`fetch_log`;
-the replay loop is in ``ftsystem.training.hsdp``.
+the replay is ``LocalState.replay`` (``ftsystem.training.local_state``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO, Callable
@@ -56,13 +56,11 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
+from ftsystem.training import carriable
 from ftsystem.training.devices import cuda_device_of, use_device
 from ftsystem.training.state_access import HEADER_REPLICA, Credentials, Refusal, StateAccess
 
 log = logging.getLogger(__name__)
-# What replicas exchange holds bytes (commit chains, serialized loop states); torch.save writes
-# an empty one as a call of ``bytes``, which weights-only loading refuses unless allowed.
-torch.serialization.add_safe_globals([bytes])
 
 ENV_IDLE_S = "FTSYSTEM_CATCHUP_IDLE_S"
 """How long a donor keeps a snapshot and a growing log for a joiner that stopped asking."""
@@ -91,16 +89,19 @@ class DonorUnavailableError(RuntimeError):
 class LoggedUpdate:
     """What produced one committed step: the averaged gradient the step function ran on, the
     commit chain before and after it (``ftsystem.training.fingerprint``), and the loop-advanced
-    objects' states after it (``ReplicatedObjects.carry``)."""
+    objects' states (``ReplicatedObjects.carry``) after the step and when the step function
+    ran (the loop had drawn the step's batch; the step function may draw too)."""
 
     grad: torch.Tensor
     parent: bytes
     chain: bytes
     carry: bytes = b""
+    carry_before: bytes = b""
 
     @property
     def nbytes(self) -> int:
-        return self.grad.numel() * self.grad.element_size() + len(self.carry)
+        return self.grad.numel() * self.grad.element_size() + len(self.carry) + \
+            len(self.carry_before)
 
 
 class UpdateLog:
@@ -393,7 +394,7 @@ def decode_state(read_into: Callable[[memoryview], None],
     header = json.loads(header_bytes)
     skeleton_bytes = bytearray(header["skeleton_bytes"])
     read_into(memoryview(skeleton_bytes))
-    skeleton = torch.load(io.BytesIO(skeleton_bytes), weights_only=True)
+    skeleton = carriable.load(skeleton_bytes)
     sizes = iter(header["tensor_bytes"])
     into = into or {}
 
@@ -458,16 +459,27 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
 def map_tensors(tree: Any, fn: Callable[..., torch.Tensor], *, with_place: bool = False,
                 _place: tuple = ()) -> Any:
     """``tree`` (dicts, lists, tuples) with ``fn`` applied to every tensor in it; with
-    ``with_place``, ``fn(place, tensor)``, the place being the keys and indices to it."""
+    ``with_place``, ``fn(place, tensor)``, the place being the keys and indices to it.
+    Containers keep their kind (an OrderedDict, a defaultdict with its factory, a namedtuple):
+    a replica that receives the state must hold what the sender held."""
     if isinstance(tree, torch.Tensor):
         return fn(_place, tree) if with_place else fn(tree)
     if isinstance(tree, dict):
-        return {k: map_tensors(v, fn, with_place=with_place, _place=(*_place, k))
-                for k, v in tree.items()}
+        return _dict_like(tree, {k: map_tensors(v, fn, with_place=with_place, _place=(*_place, k))
+                                 for k, v in tree.items()})
     if isinstance(tree, (list, tuple)):
-        return type(tree)(map_tensors(v, fn, with_place=with_place, _place=(*_place, i))
-                          for i, v in enumerate(tree))
+        items = [map_tensors(v, fn, with_place=with_place, _place=(*_place, i))
+                 for i, v in enumerate(tree)]
+        return type(tree)._make(items) if hasattr(tree, "_fields") else type(tree)(items)
     return tree
+
+
+def _dict_like(tree: dict, items: dict) -> dict:
+    if type(tree) is dict:
+        return items
+    if isinstance(tree, defaultdict):
+        return defaultdict(tree.default_factory, items)
+    return type(tree)(items)
 
 
 class StateServer:
@@ -596,7 +608,8 @@ class StateServer:
         self._send(request, encode_state(self._current_step(), {
             "steps": [s for s, _ in entries], "updates": [u.grad for _, u in entries],
             "parents": [u.parent for _, u in entries], "chains": [u.chain for _, u in entries],
-            "carries": [u.carry for _, u in entries]}))
+            "carries": [u.carry for _, u in entries],
+            "carries_before": [u.carry_before for _, u in entries]}))
 
     def _expire_sessions(self) -> None:
         while True:
@@ -706,7 +719,7 @@ def fetch_layout(donor_addr: str, timeout_s: float, *, credentials: Credentials
         log.info("no layout from %s (%s): the snapshot arrives in memory allocated as it "
                  "comes", donor_addr, e)
         return {}
-    return tensor_places(torch.load(io.BytesIO(layout), weights_only=True))
+    return tensor_places(carriable.load(layout))
 
 
 def _fetch_state(donor_addr: str, path: str, timeout_s: float, credentials: Credentials,
@@ -766,7 +779,8 @@ def fetch_log(donor_addr: str, after: int, timeout_s: float, *, credentials: Cre
         return None
     head, data, nbytes, _ = fetched
     updates = [LoggedUpdate(*fields) for fields in
-               zip(data["updates"], data["parents"], data["chains"], data["carries"])]
+               zip(data["updates"], data["parents"], data["chains"], data["carries"],
+                   data["carries_before"])]
     return list(zip(data["steps"], updates)), head, nbytes
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 DIGEST_BYTES = 16
 WORDS = DIGEST_BYTES // 8
@@ -48,7 +49,9 @@ def state_digest(tree: Any) -> bytes:
 
 def _feed(h: "hashlib._Hash", tree: Any) -> None:
     if isinstance(tree, torch.Tensor):
-        t = tree.detach()
+        # A DTensor (an EMA of an FSDP2 model) is hashed by the shard this rank holds: a
+        # replica's ranks compare their shards with the same ranks of the other replicas.
+        t = (tree.to_local() if isinstance(tree, DTensor) else tree).detach()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
         # On the host: hashlib reads the buffer directly (no copy for CPU tensors) and
         # releases the GIL while hashing.
@@ -97,15 +100,22 @@ class Judgement:
         return bool(self.majority)
 
 
-def judge(digests: list[bytes]) -> Judgement:
-    """Who differs from whom: a digest held by more than half of the members is the truth,
-    the others are divergent. With no strict majority (a 1-1 split, or all different) nobody
-    can tell which state is right."""
-    counts = Counter(digests)
-    common, count = counts.most_common(1)[0]
-    if count == len(digests):
+def judge(digests: list[bytes], counted: list[bool] | None = None) -> Judgement:
+    """Who differs from whom: a digest held by more than half of the members that count is the
+    truth, every member (counted or not) holding another is divergent. With no strict majority
+    (a 1-1 split, or all different) nobody can tell which state is right.
+
+    ``counted``: the members whose digest is a vote of its own. A replica that copied a peer's
+    whole state since the last comparison holds that peer's digest, right or wrong: counting it
+    would count its source twice (see ``entry_plan.MemberRow.proven``). When none counts, all do.
+    """
+    if counted is None or not any(counted):
+        counted = [True] * len(digests)
+    votes = Counter(d for d, c in zip(digests, counted) if c)
+    common, count = votes.most_common(1)[0]
+    if all(d == common for d in digests):
         return Judgement(divergent=(), majority=tuple(range(len(digests))))
-    if 2 * count > len(digests):
+    if 2 * count > sum(counted):
         return Judgement(divergent=tuple(i for i, d in enumerate(digests) if d != common),
                          majority=tuple(i for i, d in enumerate(digests) if d == common))
     return Judgement(divergent=tuple(range(len(digests))), majority=())

@@ -109,24 +109,6 @@ def device_arrival(device: torch.device) -> Arrival | None:
     return mark
 
 
-def plan_state_sync(steps: list[int], fresh: list[bool], chains: list[bytes] | None = None
-                    ) -> tuple[int, list[int]]:
-    """Who donates state at the start of an epoch, and who must load it.
-
-    The donor is the first member that has synced before (not fresh) with the highest committed
-    step; when every member is fresh (job start) it is member 0. Receivers are the members that
-    are behind it, fresh, or at its step on another commit chain (``ftsystem.training.fingerprint``: a
-    fork). Members at the donor's step on its chain hold identical state already (the
-    invariant), so they load nothing.
-    """
-    chains = chains or [b""] * len(steps)
-    candidates = [i for i, f in enumerate(fresh) if not f] or list(range(len(steps)))
-    donor = max(candidates, key=lambda i: (steps[i], -i))
-    receivers = [i for i in range(len(steps)) if i != donor and
-                 (fresh[i] or steps[i] != steps[donor] or chains[i] != chains[donor])]
-    return donor, receivers
-
-
 def _arrived(store, rank: int, step: int) -> bool:
     """Whether ``rank``'s arrival mark in ``store`` is at ``step`` or later."""
     key = str(rank)  # check() first: get() of a key never written waits for it

@@ -33,8 +33,12 @@ import io
 from typing import Any, Iterator, Literal, Protocol, runtime_checkable
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from ftsystem.training import carriable
 from ftsystem.training.catchup import map_tensors
+from ftsystem.training.data import Passes, why_not_resumable
+from ftsystem.training.fingerprint import state_digest
 
 AdvancedBy = Literal["step", "loop"]
 RESERVED = ("model", "optim", "hyper", "step", "objects", "carry", "chain")
@@ -94,7 +98,7 @@ class ReplicatedObjects:
     def step_state(self) -> dict[str, Any]:
         """The step-advanced objects' states (tensors by reference: copy before the next step
         if they must stay; the containers are fresh, so later reassignments do not leak in)."""
-        return {n: map_tensors(obj.state_dict(), lambda t: t)
+        return {n: map_tensors(obj.state_dict(), _local)
                 for n, obj in self._named("step").items()}
 
     def carry(self) -> bytes:
@@ -110,11 +114,17 @@ class ReplicatedObjects:
         """The states in a :meth:`carry` (for comparing them: serialized bytes need not be)."""
         if not carry:
             return {}
-        return torch.load(io.BytesIO(carry), weights_only=True, map_location="cpu")
+        return carriable.load(carry, map_location="cpu")
+
+    def check_carriable(self) -> None:
+        """Raise :class:`~ftsystem.training.carriable.NotCarriable`, naming the object, if a
+        registered object's current state holds a value replicas cannot exchange."""
+        for name, (obj, _) in self._objects.items():
+            carriable.check(obj.state_dict(), f"registered object {name!r}")
 
     def load_step_state(self, states: dict[str, Any]) -> None:
         for name, obj in self._named("step").items():
-            obj.load_state_dict(states[name])
+            obj.load_state_dict(_sharded_as(obj.state_dict(), states[name]))
 
     def load_carry(self, carry: bytes) -> None:
         if not carry:
@@ -124,12 +134,38 @@ class ReplicatedObjects:
             obj.load_state_dict(states[name])
 
 
-class Batches:
-    """Batches of a stateful data loader that follow its state: after ``load_state_dict``
-    (the replica received the job's state) the next batch comes from the loaded position.
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (the EMA of an FSDP2 model) as the shard this rank holds: states cross
+    replicas shard by shard, rank k to rank k, as plain tensors."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-    A ``torchdata`` ``StatefulDataLoader`` applies a loaded state only to its next ``iter()``;
-    this starts that iterator. At the end of a pass it starts the next one.
+
+def _sharded_as(own: Any, received: Any) -> Any:
+    """``received`` (plain tensors) with each tensor that is a DTensor in ``own`` (the
+    object's current state) made the same DTensor again, so ``load_state_dict`` copies a shard
+    into its shard."""
+    places = {}
+    map_tensors(own, lambda place, t: places.setdefault(place, t), with_place=True)
+
+    def like(place: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        mine = places.get(place)
+        if not isinstance(mine, DTensor) or isinstance(tensor, DTensor):
+            return tensor
+        return DTensor.from_local(tensor.to(mine.device), mine.device_mesh, mine.placements,
+                                  shape=mine.shape, stride=mine.stride(), run_check=False)
+    return map_tensors(received, like, with_place=True)
+
+
+class Batches:
+    """Batches of a stateful data loader, one per ``next()``, the same on every replica whether
+    or not it ever loaded the job's state.
+
+    After ``load_state_dict`` (the replica received the job's state) the next batch comes from
+    the loaded position: a torchdata ``StatefulDataLoader`` applies a loaded state only to its
+    next ``iter()``, which this starts. At the end of a pass it starts the next one, after
+    putting the loader at that pass's start (:class:`~ftsystem.training.data.Passes`): the
+    order of every pass then follows from the job's seed and the pass number, which the state
+    holds beside the loader's, instead of from what the loader drew before.
     """
 
     def __init__(self, loader: Any) -> None:
@@ -137,8 +173,14 @@ class Batches:
             raise RegistrationError(
                 f"{type(loader).__name__} has no state_dict()/load_state_dict(): use "
                 "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in DataLoader)")
+        problem = why_not_resumable(loader)
+        if problem:
+            raise RegistrationError(problem)
         self.loader = loader
+        self._passes = Passes(loader)
         self._iterator: Iterator | None = None
+        self._start_pass(0)
+        self._check_round_trip()
 
     def __iter__(self) -> "Batches":
         return self
@@ -148,16 +190,36 @@ class Batches:
             self._iterator = iter(self.loader)
         try:
             return next(self._iterator)
-        except StopIteration:  # the next pass over the data
+        except StopIteration:
+            self._start_pass(self._pass + 1)
             self._iterator = iter(self.loader)
             return next(self._iterator)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        return {"pass": self._pass, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        # The loaded position is inside this pass: its order must come from its start.
+        self._start_pass(state["pass"])
+        self.loader.load_state_dict(state["loader"])
         self._iterator = None
+
+    def _start_pass(self, number: int) -> None:
+        self._pass = number
+        self._passes.start(number)
+
+    def _check_round_trip(self) -> None:
+        """A replica that loads this state must hold the state it was sent, or every state
+        sync would report it diverged; checked on the state before the first batch."""
+        sent = self.state_dict()
+        before = state_digest(sent)
+        self.load_state_dict(sent)
+        if state_digest(self.state_dict()) != before:
+            raise RegistrationError(
+                f"{type(self.loader).__name__}: after load_state_dict(state), state_dict() "
+                "differs from that state, so a replica that receives the job's state would "
+                "not match the others. Make load_state_dict() restore exactly what "
+                "state_dict() returns")
 
 
 class RNGState:

@@ -35,9 +35,29 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's live tensors (references: copy them before the next ``optimizer.step()``
     if the values must stay, as the snapshotter does) and the optimizer's hyperparameters."""
     return {"model": _to_local(get_model_state_dict(model)),
+            "buffers": _to_local(non_persistent_buffers(model)),
             "optim": _optimizer_slots(model, optimizer),
             "hyper": [{k: v for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]}
+
+
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict()`` leaves out (``register_buffer(..., persistent=False)``:
+    a rotary table, a mask, a counter). They are replicated state all the same: a forward may
+    update them, and a joiner must hold what the members hold."""
+    return {_canonical(f"{prefix}.{name}" if prefix else name): buffer
+            for prefix, module in model.named_modules()
+            for name in sorted(module._non_persistent_buffers_set)
+            if (buffer := module._buffers.get(name)) is not None}
+
+
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+"""Name segments that wrappers add (torch.compile, activation checkpointing, FSDP1): the
+names DCP gives the state drop them, and so do these."""
+
+
+def _canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -62,6 +82,8 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     with torch.no_grad():
         for name, tensor in _to_local(get_model_state_dict(model)).items():
             tensor.copy_(state["model"][name])
+        for name, tensor in _to_local(non_persistent_buffers(model)).items():
+            tensor.copy_(state["buffers"][name])
         if state["optim"] and (optimizer.state or
                                not _adopt_optimizer_state(model, optimizer, state["optim"])):
             ours = _to_local(get_optimizer_state_dict(model, optimizer)["state"])

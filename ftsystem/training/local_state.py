@@ -1,0 +1,256 @@
+"""This rank's replicated state, and the only code that changes it.
+
+The replicated state is the model's parameters and buffers, the optimizer's state, the
+registered objects, the number of committed steps, the commit chain, and the loop-advanced
+objects' states after the last step (the *carry*). :class:`LocalState` alone writes any of
+them, in three ways:
+
+- :meth:`commit` applies an averaged gradient as the next step (a live commit, or a joiner's
+  join step);
+- :meth:`replay` applies a peer's logged update as the next step;
+- :meth:`load` takes a peer's whole state (a snapshot, the epoch's state sync, a checkpoint).
+
+A live commit and a replay run the same function (:meth:`_advance`) in the same order: the
+loop-advanced objects hold the states the step function ran with, the step function runs on
+the averaged gradient, the step and chain advance, the loop-advanced objects' states after the
+step are recorded, the update is logged. So a step function that reads a registered RNG or
+loader gets the same result when a peer replays its step.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ftsystem.training import carriable
+from ftsystem.training.catchup import LoggedUpdate, Snapshotter, UpdateLog
+from ftsystem.training.fingerprint import GENESIS, chain_next, state_digest
+from ftsystem.training.replicated import ReplicatedObjects
+from ftsystem.training.shards import (grads_as_views, load_local_state, local, local_state,
+                                      release_grads)
+
+log = logging.getLogger(__name__)
+
+
+class ForkedHistory(RuntimeError):
+    """A logged update does not continue this replica's commit chain (another history)."""
+
+
+class LocalState:
+    """The replicated state of this rank (see the module's doc)."""
+
+    def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 params: list[nn.Parameter], objects: ReplicatedObjects,
+                 step_fn: Callable[[], None] | None, update_log: UpdateLog,
+                 on_step: Callable[[int], None]) -> None:
+        """``on_step(step)``: told of every step this state reaches (the heartbeat)."""
+        self._name = name
+        self.model, self.optimizer, self.objects = model, optimizer, objects
+        self._params = params
+        self._device = local(params[0]).device
+        self._step_fn = step_fn or optimizer.step
+        self.update_log = update_log
+        self.snapshotter = Snapshotter(self.state)
+        self._on_step = on_step
+        self._step = 0
+        self._chain = GENESIS
+        self._carry = b""
+        self._fresh = True
+        self._proven = True
+        # A step function of the user's may write into .grad (clipping, unscaling), and not
+        # every in-place kernel bumps the version counter (GradScaler.unscale_ does not): it
+        # runs on a copy, so the log keeps the average it ran on.
+        self._copy_grads = step_fn is not None
+        self._scratch: torch.Tensor | None = None
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Committed steps."""
+        return self._step
+
+    @property
+    def chain(self) -> bytes:
+        """The commit chain after :attr:`step` (``ftsystem.training.fingerprint``)."""
+        return self._chain
+
+    @property
+    def carry(self) -> bytes:
+        """The loop-advanced objects' states after :attr:`step`."""
+        return self._carry
+
+    @property
+    def fresh(self) -> bool:
+        """This rank holds no state of the job (it never received it, or dropped it)."""
+        return self._fresh
+
+    @property
+    def proven(self) -> bool:
+        """Compared with the others since it last copied a peer's whole state."""
+        return self._proven
+
+    def state(self) -> dict:
+        """Everything replicated, at :attr:`step`: tensors by reference (see Snapshotter)."""
+        return {**local_state(self.model, self.optimizer), "step": self._step,
+                "objects": self.objects.step_state(), "carry": self._carry,
+                "chain": self._chain}
+
+    def fingerprinted(self) -> dict:
+        """What the state digest covers: everything replicated but the chain (compared on
+        its own at every epoch entry), the loop-advanced objects decoded."""
+        state = self.state()
+        del state["chain"]
+        state["carry"] = self.objects.decode(self._carry)
+        return state
+
+    def digest(self) -> bytes:
+        return state_digest(self.fingerprinted())
+
+    def serialize(self) -> bytes:
+        out = io.BytesIO()
+        torch.save(self.state(), out)
+        return out.getvalue()
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The objects are registered: record what they hold now."""
+        self._carry = self.objects.carry()
+
+    def commit(self, grad: torch.Tensor, epoch: int, carry_before: bytes | None = None
+               ) -> LoggedUpdate:
+        """Apply ``grad``, averaged over the members of ``epoch``, as the next step.
+
+        ``carry_before``: the loop-advanced objects' states to run the step function with
+        (a joiner's join step takes the members'); None: the ones they hold now."""
+        update = LoggedUpdate(grad, self._chain, chain_next(self._chain, self._step + 1, epoch),
+                              carry_before=self.objects.carry() if carry_before is None
+                              else carry_before)
+        return self._advance(update, load_before=carry_before is not None)
+
+    def replay(self, logged: LoggedUpdate) -> None:
+        """Apply a peer's logged update as the next step: this replica commits the same step
+        bit for bit."""
+        if logged.parent != self._chain:
+            raise ForkedHistory(
+                f"replica {self._name} at step {self._step}: the logged update for step "
+                f"{self._step + 1} continues another history (commit chain "
+                f"{logged.parent.hex()[:12]}, ours {self._chain.hex()[:12]})")
+        # The log keeps it, and the source buffer is reused.
+        grad = logged.grad.to(self._device, copy=True)
+        try:
+            self._advance(LoggedUpdate(grad, logged.parent, logged.chain, logged.carry,
+                                       logged.carry_before), load_before=True)
+        except Exception as e:
+            raise RuntimeError(
+                f"the step function failed replaying step {self._step + 1}: it runs without "
+                "the forward and backward of that step, so it may use only the gradients, "
+                "the model, the optimizer and registered objects (a GradScaler needs "
+                "scale() called first: see docs/adopting.md)") from e
+
+    def _advance(self, update: LoggedUpdate, load_before: bool) -> LoggedUpdate:
+        """The one way a step is applied (see the module's doc). Returns what was logged:
+        ``update`` with the carry after the step filled in (a live commit's)."""
+        if load_before:
+            self.objects.load_carry(update.carry_before)
+        self.snapshotter.before_mutation()
+        grad = update.grad
+        version = grad._version
+        grads_as_views(self._params, self._grad_copy(grad) if self._copy_grads else grad)
+        try:
+            self._step_fn()
+        finally:
+            release_grads(self._params)
+        intact = grad._version == version
+        if not intact:
+            log.info("replica %s: the step function modifies .grad in place; the update log "
+                     "keeps a copy of each averaged gradient from now on", self._name)
+            self._copy_grads = True
+        if load_before and update.carry:  # a replay: the states the peer recorded
+            self.objects.load_carry(update.carry)
+            carry = update.carry
+        else:
+            carry = self.objects.carry()
+        update = LoggedUpdate(grad, update.parent, update.chain, carry, update.carry_before)
+        self._step, self._chain, self._carry = self._step + 1, update.chain, carry
+        # An entry whose gradient the step function modified cannot reproduce its step, and
+        # no older entry leads past it.
+        if intact:
+            self.update_log.append(self._step, update)
+        else:
+            self.update_log.clear()
+        self._on_step(self._step)
+        return update
+
+    def _grad_copy(self, update: torch.Tensor) -> torch.Tensor:
+        """``update`` copied into a buffer kept across steps (a new one per step would be
+        page-faulted in: see UpdateLog.recycle)."""
+        if self._scratch is None or self._scratch.shape != update.shape:
+            self._scratch = torch.empty_like(update)
+        return self._scratch.copy_(update)
+
+    def load(self, state: dict, *, proven: bool) -> None:
+        """Take a peer's whole state (a snapshot, the epoch's state sync). ``proven``: the
+        source's state was compared with the others' at this step (the job's start, where
+        there is nothing to compare, counts as proven)."""
+        self.snapshotter.before_mutation()
+        self.update_log.clear()
+        load_local_state(self.model, self.optimizer, state)
+        self.objects.load_step_state(state["objects"])
+        self.objects.load_carry(state["carry"])
+        self._step, self._chain, self._carry = state["step"], state["chain"], state["carry"]
+        self._fresh, self._proven = False, proven
+        self._on_step(self._step)
+
+    def load_serialized(self, payload: bytes, device: torch.device, *, proven: bool) -> None:
+        self.load(carriable.load(io.BytesIO(payload), map_location=device), proven=proven)
+
+    def resumed(self, step: int) -> None:
+        """The model, optimizer and :meth:`extras` were loaded from a disk checkpoint of
+        ``step`` (every replica of a cold start loads the same one)."""
+        self.update_log.clear()
+        self._step, self._fresh = step, False
+        self._on_step(step)
+
+    def extras(self) -> dict:
+        """What a disk checkpoint holds beside model and optimizer."""
+        return {"objects": self.objects.step_state(), "carry": self._carry,
+                "chain": self._chain}
+
+    def load_extras(self, extras: dict) -> None:
+        self.objects.load_step_state(extras["objects"])
+        self.objects.load_carry(extras["carry"])
+        self._carry, self._chain = extras["carry"], extras["chain"]
+
+    def entered_epoch(self) -> None:
+        """An epoch's entry left this rank with the job's state (it received it, or it was
+        the job's already: the first member of a new job defines it)."""
+        self._fresh = False
+
+    def drop(self) -> None:
+        """Forget the job's state: the next epoch's sync sends this replica the whole state
+        (a repair, or a joiner whose donor turned out to be on another history)."""
+        self._fresh = True
+
+    def proved(self) -> None:
+        """Its digest agreed with the majority's."""
+        self._proven = True
+
+    def receiving(self) -> None:
+        """A snapshot is being received into this rank's own tensors: until it is loaded
+        whole, this rank holds no state of the job."""
+        self.snapshotter.before_mutation()
+        self.update_log.clear()
+        self._fresh = True
+
+    def corrupt(self) -> None:
+        """Fault injection (``STEP:corrupt``): change one parameter value in memory, as a bad
+        memory cell or a faulty kernel would."""
+        self.snapshotter.before_mutation()
+        with torch.no_grad():
+            local(self._params[0]).view(-1)[0] += 1.0
