@@ -44,6 +44,22 @@ def test_update_log_keeps_a_window_and_a_budget():
     assert log.oldest() == 31 and log.nbytes == 10 * 1024  # the budget, oldest dropped
 
 
+def test_update_log_never_holds_more_than_its_budget():
+    # Entries of 1 KiB and a budget of 2.5: even the last few steps kept for step
+    # reconciliation stay within it (a model whose gradient outgrows the budget keeps none,
+    # and members behind receive the whole state).
+    entry = LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS)
+    log = UpdateLog(budget_bytes=2560)
+    for step in range(1, 11):
+        log.append(step, entry)
+        assert log.nbytes <= 2560
+    assert log.oldest() == 9
+    tiny = UpdateLog(budget_bytes=100)
+    tiny.append(1, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))
+    assert tiny.oldest() is None and tiny.nbytes == 0
+    assert tiny.recycle(256, torch.float32) is not None  # the dropped buffer is reused
+
+
 def _served_state() -> dict:
     # Every kind of tensor a state holds: float and bfloat16 parameters, a non-contiguous
     # one, 0-d step counters, an empty one; bytes and plain values beside them.
@@ -243,6 +259,23 @@ def test_join_while_training(etcd, job_id, tmp_path, monkeypatch, warm_up):
     # the members let it in with a log-based sync, not a full-state transfer
     join = [e for e in load_results(tmp_path)["r0"]["epochs"] if e["reason"] == "join"]
     assert join, "no join epoch"
+
+
+def test_a_join_step_that_failed_on_the_joiner_alone_is_taken_again_with_zeros(
+        etcd, job_id, tmp_path):
+    # r1 restarts after step 30; its join step's all-reduce fails on it alone while the members
+    # commit that step. In the next epoch the members sum the following step, divided by the
+    # members that send gradients: r1, one step behind, replays the step it missed and must
+    # send zeros in that sum (its gradients would be divided as if it sent none).
+    cfg = RunConfig(num_replicas=3, num_steps=150, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(30, 1, "step"), (31, 1, "fail-join-step")]),
+                    train_args=TRAIN_ARGS, show_progress=False)
+    assert_invariant(run_job(cfg), cfg)
+    assert "injected fail-join-step failure" in (tmp_path / "agent-r1.log").read_text()
+    r1 = load_results(tmp_path)["r1"]
+    assert all(not r["divergences"] for r in load_results(tmp_path).values())
+    # the first step it committed was a join step, taken after the failed one
+    assert r1["commits"][0][0] == r1["catchup"]["join_step"]
 
 
 def test_reconciles_a_step_committed_by_some_members_only(etcd, job_id, tmp_path):

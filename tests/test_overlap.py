@@ -20,6 +20,7 @@ from ftsystem.training.gradient_sum import MIN_CPU_OVERLAP_BUCKETS, overlap_by_d
 from ftsystem.training.settings import ENV_BUCKET_BYTES, ReplicaSettings
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.training.overlap import OverlapInvalid, OverlappedGradSum, plan_buckets
+from ftsystem.training.flat import FlatLayout
 
 SMALL_CAP = 1024
 """Bytes: one 16x16 float weight per bucket, so the model below has several buckets."""
@@ -70,16 +71,16 @@ class Net(nn.Module):
 
 
 def reference_sum(params: list[nn.Parameter]) -> torch.Tensor:
-    """What FTReplica.commit does without overlap: torch.cat, zeros for no gradient, one sum."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
+    """What FTReplica.commit does without overlap: one flat buffer (zeros for no gradient,
+    then whether each parameter had one), one sum."""
+    flat = FlatLayout(params).pack()
     dist.all_reduce(flat)
     return flat
 
 
 def run_step(model: Net, rank: int, events: list[str]) -> None:
     params = [p for p in model.parameters()]
-    overlap = OverlappedGradSum(params, bucket_cap_bytes=SMALL_CAP)
+    overlap = OverlappedGradSum(FlatLayout(params), bucket_cap_bytes=SMALL_CAP)
     assert overlap.num_buckets >= 4
     model.head[0].weight.register_post_accumulate_grad_hook(
         lambda _: events.append("first-layer-grad"))
@@ -89,7 +90,7 @@ def run_step(model: Net, rank: int, events: list[str]) -> None:
         return dist.all_reduce(piece, async_op=True).get_future()
 
     torch.manual_seed(100 + rank)  # different data on every rank
-    buffer = torch.full((sum(p.numel() for p in params),), float("nan"))
+    buffer = torch.full((FlatLayout(params).numel,), float("nan"))
     overlap.arm(buffer, issue)
     # Only rank 0 uses ``extra``: rank 1 issues its bucket, and those after it, in finish().
     model(torch.randn(32, 8), use_extra=rank == 0).square().mean().backward()
@@ -99,7 +100,7 @@ def run_step(model: Net, rank: int, events: list[str]) -> None:
     overlap.remove()
 
     assert summed is buffer
-    assert events.count("issue") == overlap.num_buckets
+    assert events.count("issue") == overlap.num_buckets + 1  # and the tail of counts
     assert torch.equal(summed, reference_sum(params))
     for p, before in zip(params, grads_before):
         assert (p.grad is None) if before is None else \
@@ -142,7 +143,7 @@ def small_model() -> tuple[nn.Module, list[nn.Parameter], torch.Tensor]:
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 2))
     params = list(model.parameters())
-    return model, params, torch.empty(sum(p.numel() for p in params))
+    return model, params, FlatLayout(params).empty()
 
 
 def backward(model: nn.Module) -> None:
@@ -151,7 +152,7 @@ def backward(model: nn.Module) -> None:
 
 def test_hook_fired_twice_voids_the_step():
     model, params, buffer = small_model()
-    overlap = OverlappedGradSum(params, bucket_cap_bytes=SMALL_CAP)
+    overlap = OverlappedGradSum(FlatLayout(params), bucket_cap_bytes=SMALL_CAP)
     overlap.arm(buffer, completed)
     backward(model)
     backward(model)  # gradient accumulation while armed: issued buckets hold the first only
@@ -161,7 +162,7 @@ def test_hook_fired_twice_voids_the_step():
 
 def test_issue_error_is_recorded_not_raised_into_backward():
     model, params, buffer = small_model()
-    overlap = OverlappedGradSum(params, bucket_cap_bytes=SMALL_CAP)
+    overlap = OverlappedGradSum(FlatLayout(params), bucket_cap_bytes=SMALL_CAP)
     calls = []
 
     def issue(piece: torch.Tensor) -> torch.futures.Future:
@@ -181,7 +182,7 @@ def test_issue_error_is_recorded_not_raised_into_backward():
 
 def test_issue_error_in_finish_voids_the_step():
     model, params, buffer = small_model()
-    overlap = OverlappedGradSum(params, bucket_cap_bytes=SMALL_CAP)
+    overlap = OverlappedGradSum(FlatLayout(params), bucket_cap_bytes=SMALL_CAP)
     overlap.arm(buffer, lambda piece: (_ for _ in ()).throw(RuntimeError("peer gone")))
     with pytest.raises(OverlapInvalid, match="remaining buckets"):
         overlap.finish(lambda future: future.wait())  # no backward: finish issues all
@@ -189,7 +190,7 @@ def test_issue_error_in_finish_voids_the_step():
 
 def test_wait_error_propagates_and_disarms():
     model, params, buffer = small_model()
-    overlap = OverlappedGradSum(params, bucket_cap_bytes=SMALL_CAP)
+    overlap = OverlappedGradSum(FlatLayout(params), bucket_cap_bytes=SMALL_CAP)
     overlap.arm(buffer, completed)
     backward(model)
 
@@ -204,7 +205,7 @@ def test_wait_error_propagates_and_disarms():
 
 def test_hooks_idle_unless_armed_and_after_remove():
     model, params, buffer = small_model()
-    overlap = OverlappedGradSum(params, bucket_cap_bytes=SMALL_CAP)
+    overlap = OverlappedGradSum(FlatLayout(params), bucket_cap_bytes=SMALL_CAP)
     calls = []
     backward(model)  # not armed: nothing happens
     overlap.arm(buffer, lambda piece: calls.append(piece) or completed(piece))
@@ -222,7 +223,7 @@ def test_hooks_idle_unless_armed_and_after_remove():
 def test_arm_rejects_a_buffer_of_the_wrong_size():
     _, params, buffer = small_model()
     with pytest.raises(ValueError, match="elements"):
-        OverlappedGradSum(params).arm(buffer[:-1], completed)
+        OverlappedGradSum(FlatLayout(params)).arm(buffer[:-1], completed)
 
 
 # --- in a job -------------------------------------------------------------------------------

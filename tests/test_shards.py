@@ -8,8 +8,8 @@ import io
 import torch
 
 from ftsystem.training.catchup import tree_tensors
-from ftsystem.training.shards import (flat_grads, grads_as_views, load_local_state, local_state,
-                             release_grads)
+from ftsystem.training.flat import FlatLayout, release_grads
+from ftsystem.training.shards import load_local_state, local_state
 from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 LANGUAGE = MarkovLanguage()
@@ -98,8 +98,8 @@ def test_flat_gradients_as_views_give_the_same_step_without_copies():
     a[1].zero_grad()
     a[0].loss(LANGUAGE.batch(shard=0, step=9, batch_size=4, seq_len=32)).backward()
     params = list(b[0].parameters())
-    flat = flat_grads(list(a[0].parameters()), None)
-    grads_as_views(params, flat)
+    flat = FlatLayout(list(a[0].parameters())).pack()
+    FlatLayout(params).unpack(flat)
     assert all(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
                for p in params)
     a[1].step()
@@ -108,3 +108,87 @@ def test_flat_gradients_as_views_give_the_same_step_without_copies():
     release_grads(params)
     assert all(p.grad is None for p in params)
 
+
+
+class CountingSGD(torch.optim.SGD):
+    """An optimizer whose per-parameter state holds plain Python numbers beside tensors (as
+    Adafactor-style optimizers keep step counts and running scalars)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                slots = self.state[p]
+                slots["steps"] = slots.get("steps", 0) + 1
+                slots["scale"] = slots.get("scale", 1.0) * 0.9
+                slots["moment"] = slots.get("moment", torch.zeros_like(p)) + p.detach()
+
+
+def _sgd_replica(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyGPT(ModelConfig())
+    return model, CountingSGD(model.parameters(), lr=1e-2)
+
+
+def _slots(optimizer: torch.optim.Optimizer) -> list:
+    return [(s["steps"], s["scale"], s["moment"].sum().item())
+            for s in optimizer.state.values()]
+
+
+def test_non_tensor_optimizer_slots_move_to_a_stepped_and_to_a_fresh_optimizer():
+    donor = _sgd_replica(0)
+    _train(*donor, range(3))
+    for stepped in (True, False):
+        receiver = _sgd_replica(1)
+        if stepped:
+            _train(*receiver, range(1))
+        load_local_state(*receiver, torch.load(_saved(local_state(*donor)), weights_only=True))
+        assert _slots(receiver[1]) == _slots(donor[1]) and _same(donor, receiver), stepped
+
+
+def test_mixed_dtype_parameters_average_in_one_buffer_and_step_in_their_own_dtype():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].to(torch.bfloat16)
+    params = list(model.parameters())
+    x = torch.randn(3, 4)
+    model[1](model[0](x).to(torch.bfloat16)).float().pow(2).mean().backward()
+    expected = [p.grad.clone() for p in params]
+    flat = FlatLayout(params).pack()
+    assert flat.dtype == torch.float32
+    release_grads(params)
+    FlatLayout(params).unpack(flat)
+    assert [p.grad.dtype for p in params] == [p.dtype for p in params]
+    assert all(torch.equal(g, p.grad) for g, p in zip(expected, params))
+
+
+def test_a_parameter_no_member_used_keeps_no_gradient_as_under_ddp():
+    # An unused branch (an expert no token was routed to): zeros would let AdamW's weight
+    # decay and momentum move it; DDP leaves its gradient None, and so does the average.
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    params = [*used.parameters(), *unused.parameters()]
+    used(torch.randn(2, 3)).sum().backward()
+    flat = FlatLayout(params).pack()
+    other_member = FlatLayout(params).pack()
+    summed = flat + other_member
+    release_grads(params)
+    FlatLayout(params).unpack(summed / 2)
+    assert all(p.grad is not None for p in used.parameters())
+    assert all(p.grad is None for p in unused.parameters())
+    before = [p.detach().clone() for p in unused.parameters()]
+    torch.optim.AdamW(params, lr=0.1, weight_decay=0.5).step()
+    assert all(torch.equal(b, p) for b, p in zip(before, unused.parameters()))
+
+
+def test_a_parameter_one_member_used_gets_the_average_with_the_others_zeros():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3)
+    params = list(layer.parameters())
+    layer(torch.randn(2, 3)).sum().backward()
+    mine = FlatLayout(params).pack()
+    expected = [p.grad.clone() / 2 for p in params]
+    release_grads(params)
+    theirs = FlatLayout(params).pack()  # no gradient at all on the other member
+    FlatLayout(params).unpack((mine + theirs) / 2)
+    assert all(torch.equal(e, p.grad) for e, p in zip(expected, params))

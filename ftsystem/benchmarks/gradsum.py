@@ -164,7 +164,7 @@ def _step_functions(rank: int, world_size: int, params: int, bucket_bytes: int, 
     from torch.nn.parallel import DistributedDataParallel
 
     from ftsystem.training.overlap import DEFAULT_BUCKET_CAP_BYTES, OverlappedGradSum
-    from ftsystem.training.shards import flat_grads, grads_as_views, release_grads
+    from ftsystem.training.flat import FlatLayout, release_grads
 
     class Loss(torch.nn.Module):
         """DDP reduces the gradients of what runs through its forward: make that the loss."""
@@ -178,11 +178,11 @@ def _step_functions(rank: int, world_size: int, params: int, bucket_bytes: int, 
 
     model = _Model(rank, params)
     ps, opt = model.params, model.optimizer
-    numel = sum(p.numel() for p in ps)
+    layout = FlatLayout(ps)
     # DDP's hooks stay on the parameters but do nothing in a backward its forward did not
     # prepare; the overlap's do nothing unless armed. So the modes do not disturb each other.
     ddp = DistributedDataParallel(Loss(model.inner))
-    overlap = OverlappedGradSum(ps, bucket_bytes or DEFAULT_BUCKET_CAP_BYTES)
+    overlap = OverlappedGradSum(layout, bucket_bytes or DEFAULT_BUCKET_CAP_BYTES)
 
     def allreduce(tensor: torch.Tensor) -> torch.futures.Future:
         opts = dist.AllreduceOptions()
@@ -191,7 +191,7 @@ def _step_functions(rank: int, world_size: int, params: int, bucket_bytes: int, 
 
     def apply_mean(buf: torch.Tensor) -> None:  # as FTReplica.commit after the sum
         buf /= world_size
-        grads_as_views(ps, buf)
+        layout.unpack(buf)
         opt.step()
         release_grads(ps)
 
@@ -203,13 +203,13 @@ def _step_functions(rank: int, world_size: int, params: int, bucket_bytes: int, 
     def flat_step(batch) -> None:
         opt.zero_grad()
         model.inner.loss(batch).backward()
-        buf = flat_grads(ps, None)
+        buf = layout.pack()
         allreduce(buf).wait()
         apply_mean(buf)
 
     def overlap_step(batch) -> None:
         opt.zero_grad()
-        overlap.arm(torch.empty(numel), allreduce)
+        overlap.arm(layout.empty(), allreduce)
         model.inner.loss(batch).backward()
         apply_mean(overlap.finish(lambda future: future.wait()))
 

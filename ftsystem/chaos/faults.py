@@ -16,6 +16,9 @@ Phases:
   (a donor dying mid-transfer);
 - ``corrupt``: no kill: one parameter value changes in memory after the step (a bad memory
   cell); the periodic state digest must find and repair it;
+- ``fail-join-step``: no kill: the all-reduce of this replica's first join step at or after the
+  step fails on it alone while the members commit (it must enter the next epoch and still send
+  zeros there, not gradients divided as if it sent none);
 - ``corrupt-donate``: no kill: when this replica, at or after the step, serves a joiner's
   catch-up, it corrupts a parameter at its next commit, before the snapshot is taken (a donor
   gone bad just before the transfer: the joiner copies the bad state).
@@ -30,11 +33,14 @@ from dataclasses import dataclass
 
 from ftsystem.training.runtime import ENV_KILL_AT
 
-PHASES = ("step", "allreduce", "fail-allreduce", "sync", "donate", "corrupt", "corrupt-donate")
-AT_OR_AFTER = ("sync", "donate", "corrupt-donate", "corrupt-next")
-"""(``corrupt-next``: what a ``corrupt-donate`` point leaves for the training thread.)"""
+PHASES = ("step", "allreduce", "fail-allreduce", "sync", "donate", "corrupt", "corrupt-donate",
+          "fail-join-step")
+AT_OR_AFTER = ("sync", "donate", "corrupt-donate", "corrupt-next", "fail-join-step")
 """Phases that fire at the first such moment at or after their step (an epoch's state sync, a
-catch-up served to a joiner), which no test could place at an exact step."""
+catch-up served to a joiner, a join step), which no test could place at an exact step.
+(``corrupt-next``: what a ``corrupt-donate`` point leaves for the training thread.)"""
+FAILS = ("fail-allreduce", "fail-join-step")
+"""Phases that fail the all-reduce on this replica alone instead of killing it."""
 
 
 class InjectedFault(Exception):
@@ -87,13 +93,8 @@ class FaultSchedule:
 
     def check(self, step: int, phase: str) -> None:
         """Act on the fault point at (``step``, ``phase``), if there is one."""
-        point = FaultPoint(step, phase)
-        if phase in AT_OR_AFTER and self.fires(step, phase):
-            os.kill(os.getpid(), signal.SIGKILL)
-        with self._lock:
-            if point not in self.points:
-                return
-        if phase == "fail-allreduce":
-            self.points.discard(point)  # once: the retry of the same step must succeed
-            raise InjectedFault(f"injected all-reduce failure at step {step}")
+        if not self.fires(step, phase):
+            return
+        if phase in FAILS:  # once: the retry of the same step must succeed
+            raise InjectedFault(f"injected {phase} failure at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)

@@ -114,8 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     model = TinyGPT(cfg).to(device)
     if args.freeze == "pos":
         model.pos.weight.requires_grad_(False)
+    # Before sharding: FSDP2 modules cannot be deep-copied; the average is sharded as the
+    # model is, so each rank averages its own shard.
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema)) \
+        if args.ema and args.loop == "real" else None
     if ranks > 1:
         shard_model(model)
+        if ema is not None:
+            shard_model(ema.module)
     language = MarkovLanguage(vocab_size=cfg.vocab_size, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "scaler")
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         batches = (language.batch(shard=shard, step=ft.step, batch_size=args.batch_size,
                                   seq_len=cfg.seq_len) for _ in itertools.count())
     else:
-        ft, batches = real_loop(model, optimizer, scaler, language, args, device, overlap)
+        ft, batches = real_loop(model, optimizer, scaler, ema, language, args, device, overlap)
     try:
         ft.start()
         loss = train(ft, model, batches, scaler, args, device)
@@ -137,14 +143,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler, language: MarkovLanguage,
+              scaler: torch.amp.GradScaler, ema: AveragedModel | None, language: MarkovLanguage,
               args: argparse.Namespace, device: torch.device, overlap: bool | None
               ) -> tuple[FTReplica, Batches]:
     """The replica of a real loop: a step function after averaging, everything registered."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup,
                                                                            args.steps))
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema)) if args.ema \
-        else None
 
     def step_after_averaging() -> None:
         # A replayed step ran no forward pass, so scale() never initialized the scaler.

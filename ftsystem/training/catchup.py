@@ -135,8 +135,11 @@ class UpdateLog:
             self._trim()
 
     def _trim(self) -> None:
-        limit = self.budget_bytes if self.session_active else 0
-        while len(self._entries) > KEEP_MIN_ENTRIES and self._bytes > limit:
+        """Within the budget, always; beyond the last few steps (for step reconciliation) only
+        while a joiner is reading. Entries larger than the budget are not kept at all: the
+        members behind then receive the whole state at the epoch's entry."""
+        while self._entries and (self._bytes > self.budget_bytes or (
+                not self.session_active and len(self._entries) > KEEP_MIN_ENTRIES)):
             _, dropped = self._entries.popitem(last=False)
             self._bytes -= dropped.nbytes
             self._spare = [dropped.grad, *self._spare[:MAX_SPARE - 1]]

@@ -27,7 +27,8 @@ from ftsystem.training.overlap import GradientProducedTwice, OverlapInvalid, Ove
 from ftsystem.training.replica_group import ReplicaGroup, Verdict
 from ftsystem.training.runtime import ControlPlane, ReplicaContext
 from ftsystem.training.settings import ENV_OVERLAP
-from ftsystem.training.shards import flat_grads, local, local_numel
+from ftsystem.training.flat import FlatLayout
+from ftsystem.training.shards import local
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +72,13 @@ class GradientSum:
 
     def __init__(self, ctx: ReplicaContext, control: ControlPlane, replica: ReplicaGroup,
                  ftar: FaultTolerantAllReduce, faults: FaultSchedule,
-                 params: list[nn.Parameter], update_log: UpdateLog, overlap: bool,
+                 layout: FlatLayout, update_log: UpdateLog, overlap: bool,
                  bucket_bytes: int, stragglers: StragglerBound,
                  step_times: Sequence[float]) -> None:
         """``step_times``: the recent steps' durations, which the straggler bound follows."""
         self.ctx, self.control, self.replica, self.ftar = ctx, control, replica, ftar
-        self.faults, self._params, self._update_log = faults, params, update_log
-        self._numel = local_numel(params)
-        self._dtype, self._device = local(params[0]).dtype, local(params[0]).device
-        self._overlap = OverlappedGradSum(params, bucket_bytes) \
+        self.faults, self._layout, self._update_log = faults, layout, update_log
+        self._overlap = OverlappedGradSum(layout, bucket_bytes) \
             if overlap and ctx.world_size == 1 else None
         self._armed = False
         self._summed_in: int | None = None  # the epoch of the last successful sum
@@ -91,13 +90,15 @@ class GradientSum:
 
     def zeros_ready(self) -> None:
         """A joiner's zeros, allocated before the members come to sum them."""
-        self._spare = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
+        self._spare = self._layout.empty().zero_()
 
-    def sum(self, step: int, enter_newer: Callable[[int], bool]) -> torch.Tensor | None:
+    def sum(self, step: int, enter_newer: Callable[[int], bool],
+            join_step: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
         """The gradients summed over the epoch's members; None when they were dropped.
 
         ``enter_newer(at_least)`` enters a newer epoch and says whether the gradients still
-        belong to the step being committed."""
+        belong to the step being committed; ``join_step()``: whether this sum is a join step
+        (for fault injection)."""
         overlapped, self._armed = self._armed, False
         while True:
             newest = self.replica.max(self.control.epoch.number)
@@ -112,6 +113,8 @@ class GradientSum:
                 with self.ftar.arrival(step, self._stragglers.bound_s(self._step_times)):
                     buf = self._sum_overlapped(step) if overlapped else self._sum_flat(step)
                 self.faults.check(step, "fail-allreduce")
+                if join_step():
+                    self.faults.check(step, "fail-join-step")
             except Stragglers as e:
                 error = e
                 # Reported before the vote: this replica's other ranks may be waiting on the
@@ -136,8 +139,8 @@ class GradientSum:
         # A fresh buffer per attempt (an abandoned one may still be written into); the
         # gradients themselves stay untouched until the commit, so a retry reuses them.
         out, self._spare = self._spare, None
-        buf = flat_grads(self._params, out if out is not None else
-                         self._update_log.recycle(self._numel, self._dtype))
+        buf = self._layout.pack(out if out is not None else
+                                self._update_log.recycle(self._layout.numel, self._layout.dtype))
         self.ftar.allreduce_sum(buf, on_issued=lambda: self.faults.check(step, "allreduce"))
         return buf
 
@@ -163,9 +166,8 @@ class GradientSum:
         """
         if self._overlap is None or self._summed_in != self.ftar.epoch.number:
             return
-        buf = self._update_log.recycle(self._numel, self._dtype)
-        self._overlap.arm(buf if buf is not None else torch.empty(
-                              self._numel, dtype=self._dtype, device=self._device),
+        buf = self._update_log.recycle(self._layout.numel, self._layout.dtype)
+        self._overlap.arm(buf if buf is not None else self._layout.empty(),
                           self.ftar.allreduce_sum_async)
         self._armed = True
 

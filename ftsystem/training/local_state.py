@@ -30,8 +30,8 @@ from ftsystem.training import carriable
 from ftsystem.training.catchup import LoggedUpdate, Snapshotter, UpdateLog
 from ftsystem.training.fingerprint import GENESIS, chain_next, state_digest
 from ftsystem.training.replicated import ReplicatedObjects
-from ftsystem.training.shards import (grads_as_views, load_local_state, local, local_state,
-                                      release_grads)
+from ftsystem.training.flat import FlatLayout, release_grads
+from ftsystem.training.shards import load_local_state, local, local_state
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,15 @@ class LocalState:
     """The replicated state of this rank (see the module's doc)."""
 
     def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 params: list[nn.Parameter], objects: ReplicatedObjects,
+                 layout: FlatLayout, objects: ReplicatedObjects,
                  step_fn: Callable[[], None] | None, update_log: UpdateLog,
                  on_step: Callable[[int], None]) -> None:
         """``on_step(step)``: told of every step this state reaches (the heartbeat)."""
         self._name = name
         self.model, self.optimizer, self.objects = model, optimizer, objects
-        self._params = params
-        self._device = local(params[0]).device
+        self._layout = layout
+        self._params = layout.params
+        self._device = layout.device
         self._step_fn = step_fn or optimizer.step
         self.update_log = update_log
         self.snapshotter = Snapshotter(self.state)
@@ -61,10 +62,6 @@ class LocalState:
         self._carry = b""
         self._fresh = True
         self._proven = True
-        # A step function of the user's may write into .grad (clipping, unscaling), and not
-        # every in-place kernel bumps the version counter (GradScaler.unscale_ does not): it
-        # runs on a copy, so the log keeps the average it ran on.
-        self._copy_grads = step_fn is not None
         self._scratch: torch.Tensor | None = None
 
     # --- reading ---------------------------------------------------------------------------
@@ -159,31 +156,24 @@ class LocalState:
         if load_before:
             self.objects.load_carry(update.carry_before)
         self.snapshotter.before_mutation()
-        grad = update.grad
-        version = grad._version
-        grads_as_views(self._params, self._grad_copy(grad) if self._copy_grads else grad)
+        # The step function runs on a copy: it may write into .grad (clipping, unscaling, an
+        # optimizer's weight decay), and no check sees every such write (GradScaler.unscale_
+        # and writes through .data bump no version counter; a fused kernel writes through a
+        # raw pointer). The log keeps the average itself, which replays bit for bit.
+        self._layout.unpack(self._grad_copy(update.grad))
         try:
             self._step_fn()
         finally:
             release_grads(self._params)
-        intact = grad._version == version
-        if not intact:
-            log.info("replica %s: the step function modifies .grad in place; the update log "
-                     "keeps a copy of each averaged gradient from now on", self._name)
-            self._copy_grads = True
         if load_before and update.carry:  # a replay: the states the peer recorded
             self.objects.load_carry(update.carry)
             carry = update.carry
         else:
             carry = self.objects.carry()
-        update = LoggedUpdate(grad, update.parent, update.chain, carry, update.carry_before)
+        update = LoggedUpdate(update.grad, update.parent, update.chain, carry,
+                              update.carry_before)
         self._step, self._chain, self._carry = self._step + 1, update.chain, carry
-        # An entry whose gradient the step function modified cannot reproduce its step, and
-        # no older entry leads past it.
-        if intact:
-            self.update_log.append(self._step, update)
-        else:
-            self.update_log.clear()
+        self.update_log.append(self._step, update)
         self._on_step(self._step)
         return update
 

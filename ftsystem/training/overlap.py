@@ -1,7 +1,8 @@
 """Overlap the cross-replica gradient sum with backward, one bucket at a time.
 
-``FTReplica.commit`` all-reduces one flat buffer of every gradient (``torch.cat`` in parameter
-order, zeros for a parameter without a gradient), and the update log stores that buffer. Sent
+``FTReplica.commit`` all-reduces one flat buffer of every gradient (``flat.FlatLayout``: in
+parameter order, zeros for a parameter without a gradient, then a tail of counts and the
+forward's buffers), and the update log stores that buffer. Sent
 after backward, the network idles for the whole backward. :class:`OverlappedGradSum` fills the
 same buffer from gradient hooks and starts the sum of a bucket (a contiguous slice of it) as soon
 as all of the bucket's gradients are in, while backward goes on with the earlier layers.
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from ftsystem.training.flat import FlatLayout
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
 """Like DDP's default: big enough that per-collective latency is small next to the transfer."""
@@ -71,6 +74,8 @@ class _Armed:
     """Per bucket (in issue order): gradients still to be copied in."""
     copied: list[bool]
     """Per parameter: its gradient is in the buffer."""
+    used: list[bool]
+    """Per parameter: it had a gradient (the buffer's tail, ``flat.FlatLayout``)."""
     futures: list[torch.futures.Future] = field(default_factory=list)
     """One per issued bucket, in issue order; its length is the next bucket to issue."""
     error: BaseException | None = None
@@ -79,9 +84,10 @@ class _Armed:
 class OverlappedGradSum:
     """Issues the all-reduce of gradient buckets while backward still runs."""
 
-    def __init__(self, params: list[torch.nn.Parameter],
+    def __init__(self, layout: FlatLayout,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
-        self._params = list(params)
+        self._layout = layout
+        self._params = layout.params
         numels = [p.numel() for p in self._params]
         self._offsets = list(itertools.accumulate(numels, initial=0))
         element_size = self._params[0].element_size() if self._params else 1
@@ -101,14 +107,16 @@ class OverlappedGradSum:
         return len(self._order)
 
     def arm(self, buffer: torch.Tensor, issue: Issue) -> None:
-        """Fill ``buffer`` (flat, one element per parameter element) during the next backward
-        and call ``issue(bucket_slice)`` for each bucket, in issue order, once it is complete."""
-        if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() != self._offsets[-1]:
-            raise ValueError(f"the buffer must be flat and contiguous with {self._offsets[-1]} "
+        """Fill ``buffer`` (the layout's) during the next backward and call
+        ``issue(bucket_slice)`` for each bucket, in issue order, once it is complete; the
+        tail (counts, the forward's buffers) goes last, from :meth:`finish`."""
+        size = self._layout.numel
+        if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() != size:
+            raise ValueError(f"the buffer must be flat and contiguous with {size} "
                              f"elements; got shape {tuple(buffer.shape)}")
         with self._lock:
             self._armed = _Armed(buffer, issue, [len(b) for b in self._order],
-                                 [False] * len(self._params))
+                                 [False] * len(self._params), [False] * len(self._params))
 
     def finish(self, wait: Callable[[torch.futures.Future], None]) -> torch.Tensor:
         """After backward: issue the buckets still missing (parameters that got no gradient
@@ -130,6 +138,7 @@ class OverlappedGradSum:
             for index in reversed(range(len(self._params))):  # reversed: issue order
                 if not armed.copied[index]:
                     self._accept(armed, index)
+            armed.futures.append(armed.issue(self._layout.pack_tail(armed.buffer, armed.used)))
         except Exception as e:
             raise OverlapInvalid(f"issuing the remaining buckets failed: {e}") from e
         for future in armed.futures:
@@ -172,6 +181,7 @@ class OverlappedGradSum:
             target.zero_()
         else:
             target.copy_(param.grad)
+        armed.used[index] = param.grad is not None
         armed.copied[index] = True
         armed.missing[self._bucket_of[index]] -= 1
         while len(armed.futures) < len(self._order) and armed.missing[len(armed.futures)] == 0:

@@ -60,12 +60,13 @@ from ftsystem.training.gradient_sum import GradientSum, overlap_by_default, vote
 from ftsystem.training.integrity import DivergenceError, Integrity
 from ftsystem.training.joiner import Joiner
 from ftsystem.training.local_state import LocalState
+from ftsystem.training.parameters import ParameterSet
 from ftsystem.training.phase import Lifecycle, Phase
 from ftsystem.training.replica_group import ReplicaGroup
 from ftsystem.training.replicated import AdvancedBy, Batches, ReplicatedObjects, Stateful
 from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
-from ftsystem.training.settings import ReplicaSettings
-from ftsystem.training.shards import local, local_numel, release_grads
+from ftsystem.training.settings import ENV_LOG_BUDGET, ReplicaSettings
+from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
 from ftsystem.training.state_access import replica_access
 
 __all__ = ["FTReplica", "ReplicaEvictedError", "DivergenceError"]
@@ -123,14 +124,13 @@ class FTReplica:
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
                                          wait_for_workers=False) if self.ctx.rank == 0 \
             else None
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("FTReplica: the model has no parameter that requires a gradient")
-        device = local(params[0]).device
-        self._params = params
+        self.parameters = ParameterSet(model, optimizer)
+        params = self._params = self.parameters.params
+        layout = FlatLayout(params, forward_buffers(model))
+        device = layout.device
         self.objects = ReplicatedObjects()
         self.update_log = UpdateLog(self.settings.log_budget_bytes)
-        self.state = LocalState(self.ctx.replica_id, model, optimizer, params, self.objects,
+        self.state = LocalState(self.ctx.replica_id, model, optimizer, layout, self.objects,
                                 step_fn, self.update_log, self.heartbeat.beat)
         self.snapshotter = self.state.snapshotter
         self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.rank,
@@ -140,15 +140,23 @@ class FTReplica:
             overlap = overlap_by_default(params, self.settings.bucket_bytes,
                                          self.settings.overlap)
         self.gradients = GradientSum(
-            self.ctx, self.control, self.replica, self.ftar, self.faults, params,
+            self.ctx, self.control, self.replica, self.ftar, self.faults, layout,
             self.update_log, overlap, self.settings.bucket_bytes,
             StragglerBound.from_env(os.environ, Timeouts(self.ctx.timeout_s)),
             self._step_times)
+        entry_bytes = layout.nbytes
+        if entry_bytes > self.settings.log_budget_bytes:
+            log.warning(
+                "replica %s: one averaged gradient is %.2f GB, over the update log's budget "
+                "(%s=%d): no step is logged, so a joiner cannot replay and every member behind "
+                "receives the whole state at the epoch's entry while the others wait. Raise "
+                "the budget to keep a window of steps", self.ctx.replica_id, entry_bytes / 1e9,
+                ENV_LOG_BUDGET, self.settings.log_budget_bytes)
         self.integrity = Integrity(self.ctx, self.control, self.replica, self.ftar, self.state,
                                    self.settings.fingerprint_every, device)
         self.entry = EpochEntry(
             self.ctx, self.control, self.replica, self.ftar, self.state, self.integrity,
-            self.faults, device, local_numel(params), local(params[0]).dtype,
+            self.faults, device, layout.numel, layout.dtype,
             vote=lambda error, epoch, replaced: vote(self.replica, error, epoch, replaced),
             after_failed_vote=lambda verdict, error: self.gradients.after_failed_vote(
                 verdict, error, self.state.step))
@@ -383,8 +391,10 @@ class FTReplica:
         if not self.lifecycle.is_(Phase.MEMBER, Phase.JOIN_STEP):
             raise RuntimeError(f"commit() in phase {self.phase.value}: call start() first "
                                "(or use `with FTReplica(...)`), and no commit after finish()")
+        self.parameters.check_unchanged()
         self.faults.check(self.step, "step")
-        buf = self.gradients.sum(self.step, self._enter_for_sum)
+        buf = self.gradients.sum(self.step, self._enter_for_sum,
+                                 join_step=lambda: self.lifecycle.is_(Phase.JOIN_STEP))
         if buf is None:
             release_grads(self._params)
             return False

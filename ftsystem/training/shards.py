@@ -14,6 +14,7 @@ not stepped yet (a joiner's) adopts the received state's tensors as its own.
 
 from __future__ import annotations
 
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -87,9 +88,14 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
         if state["optim"] and (optimizer.state or
                                not _adopt_optimizer_state(model, optimizer, state["optim"])):
             ours = _to_local(get_optimizer_state_dict(model, optimizer)["state"])
+            params = _params_by_name(model)
             for name, slots in ours.items():
-                for slot, tensor in slots.items():
-                    tensor.copy_(state["optim"][name][slot])
+                for slot, value in slots.items():
+                    received = state["optim"][name][slot]
+                    if isinstance(value, torch.Tensor):
+                        value.copy_(received)
+                    else:  # a step count or a running scalar kept as a Python number
+                        optimizer.state[params[name]][slot] = received
     for group, hyper in zip(optimizer.param_groups, state["hyper"]):
         group.update(hyper)
 
@@ -119,48 +125,25 @@ def _adopt_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     return True
 
 
-def _shaped_like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters by the names DCP gives them (wrapper segments dropped)."""
+    return {_canonical(name): param for name, param in model.named_parameters()}
+
+
+def _shaped_like(param: torch.Tensor, tensor):
     """A slot as its optimizer holds it: a DTensor sharded as its parameter where it has the
-    shape of the parameter's shard (a moment), the local tensor otherwise (a step count)."""
-    if isinstance(param, DTensor) and tensor.dim() and tensor.shape == param.to_local().shape:
-        return _sharded_like(param, tensor)
+    shape of the parameter's shard (a moment), the local tensor otherwise (a step count), a
+    plain value as it is."""
+    if isinstance(param, DTensor) and isinstance(tensor, torch.Tensor) and tensor.dim() \
+            and tensor.shape == param.to_local().shape:
+        return sharded_like(param, tensor)
     return tensor
 
 
-def _sharded_like(param: DTensor, shard: torch.Tensor) -> DTensor:
+def sharded_like(param: DTensor, shard: torch.Tensor) -> DTensor:
     """``shard``, this rank's part of a tensor sharded as ``param`` is, as that DTensor."""
     return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape,
                               stride=param.stride(), run_check=False)
-
-
-def flat_grads(params: list[nn.Parameter], out: torch.Tensor | None) -> torch.Tensor:
-    """This rank's gradient shards in one buffer (``out`` if given); parameters without a
-    gradient take part with zeros: every replica must all-reduce the same layout."""
-    if all(p.grad is None for p in params):  # a joiner's join step: zeros, in one pass
-        return (out if out is not None else torch.empty(
-            local_numel(params), dtype=local(params[0]).dtype, device=local(params[0]).device
-        )).zero_()
-    grads = [(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
-             for p in params]
-    return torch.cat(grads) if out is None else torch.cat(grads, out=out)
-
-
-def grads_as_views(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    """Make slices of ``flat`` (the layout of :func:`flat_grads`, on the parameters' device)
-    the gradients of ``params``: views, so no gradient is copied."""
-    sizes = [local(p).numel() for p in params]
-    for param, grad in zip(params, flat.split(sizes)):
-        shard = local(param)
-        if isinstance(param, DTensor):
-            param.grad = _sharded_like(param, grad.view_as(shard))
-        else:
-            param.grad = grad.view_as(param)
-
-
-def release_grads(params: list[nn.Parameter]) -> None:
-    """Drop the gradients (as ``zero_grad(set_to_none=True)``)."""
-    for param in params:
-        param.grad = None
 
 
 def local_numel(params: list[nn.Parameter]) -> int:
