@@ -14,16 +14,18 @@ A replica of N nodes is supervised by N agents, one per node, like torchrun's ag
 3. **Ending.** Any agent ends a generation with a transaction that sets ``ended`` if it is still
    the current one: the winner alone records the failure. All agents then stop their ranks and
    the replica restarts as a whole once N nodes are back.
+4. **Finishing.** An agent whose ranks finished the job's work marks the generation
+   ``finished`` (the same transaction) before it gives up its node rank. The replica is done:
+   whoever takes that rank next (a spare, a restarted agent) finds the mark and starts nothing.
 
 The pure parts (shape checks, the ranks' environment) are functions apart from the etcd I/O.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ftsystem.control import keys
@@ -63,6 +65,9 @@ class Generation:
     """The agent (uid) holding each node rank."""
     ended: str = ""
     """Why it ended; empty while it runs."""
+    finished: bool = False
+    """Its ranks finished the job's work: the replica is done, and no agent starts another
+    generation of it."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"agents": list(self.agents)}, sort_keys=True)
@@ -194,13 +199,7 @@ class Rendezvous:
 
     async def wait_started(self) -> None:
         """Until the replica's first generation was opened."""
-        key = keys.generation(self.job, self.replica_id)
-        while True:
-            items, revision = await self.store.get_prefix(key)
-            if key in items:
-                return
-            async for _ in self.store.watch_prefix(key, start_revision=revision + 1):
-                break
+        await until_present(self.store, keys.generation(self.job, self.replica_id))
 
     async def wait_opened(self, uid: str, after: int) -> Generation:
         """Other node ranks: the first running generation numbered above ``after`` that
@@ -217,25 +216,36 @@ class Rendezvous:
 
     async def end(self, number: int, reason: str) -> bool:
         """End generation ``number`` if it still runs; True for the one agent that ended it."""
-        key = keys.generation(self.job, self.replica_id)
-        raw, revision = await self.store.get_versioned(key)
-        if raw is None:
-            return False
-        current = Generation.from_json(raw)
-        if current.number != number or current.ended:
-            return False
-        ended = Generation(**{**asdict(current), "agents": current.agents, "ended": reason})
-        return await self.store.put_if_unchanged(key, revision, ended.to_json())
+        return await self._change_running(number, ended=reason)
+
+    async def finish(self, number: int) -> bool:
+        """Mark generation ``number`` finished if it still runs; True for the one agent that
+        marked it (every agent of the generation tries: any one of them may be the last)."""
+        return await self._change_running(number, finished=True)
 
     async def replace_lease(self, number: int, lease: int) -> None:
         """After an etcd outage outlived the replica lease: record its successor."""
+        await self._change_running(number, lease=lease)
+
+    async def _change_running(self, number: int, **change: Any) -> bool:
+        """Write ``change`` into generation ``number`` while it is the current one and neither
+        ended nor finished; True if this call wrote it. A concurrent write is read again."""
         key = keys.generation(self.job, self.replica_id)
-        for _ in range(10):
+        while True:
             raw, revision = await self.store.get_versioned(key)
             current = Generation.from_json(raw) if raw else None
-            if current is None or current.number != number or current.ended:
-                return
-            updated = Generation(**{**asdict(current), "agents": current.agents, "lease": lease})
-            if await self.store.put_if_unchanged(key, revision, updated.to_json()):
-                return
-            await asyncio.sleep(0.05)
+            if current is None or current.number != number or current.ended or current.finished:
+                return False
+            if await self.store.put_if_unchanged(key, revision,
+                                                 replace(current, **change).to_json()):
+                return True
+
+
+async def until_present(store: Store, key: str) -> None:
+    """Until ``key`` exists (a watch from the revision read: no write in between is missed)."""
+    while True:
+        items, revision = await store.get_prefix(key)
+        if key in items:
+            return
+        async for _ in store.watch_prefix(key, start_revision=revision + 1):
+            break

@@ -10,6 +10,11 @@ every agent of the replica stops its ranks, and the replica restarts as generati
 backoff, once all its nodes are back. Children run in their own sessions with a parent-death
 signal, so neither a Ctrl-C nor a SIGKILL of the agent leaves orphans.
 
+The end: a generation whose ranks finished is marked in etcd before its agents give up their
+node ranks, so a spare that takes one starts nothing. A replica still waiting for its nodes when
+the job has finished without it (and the last replica holding the final state has left) gives
+up with ``EXIT_MISSED_THE_END`` instead of holding its nodes forever.
+
 An etcd outage is not a failure: ranks keep training, keep-alives keep trying, and a lease the
 outage outlived is replaced (and the replica's rank 0 told through the lease file) instead of
 the replica being restarted. A failure during the outage is acted on once etcd is back.
@@ -32,13 +37,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from agent.chaos import replica_executor
 from agent.job_settings import SpecConflict, rank_settings_env, resolve_timeout
 from agent.pulse import DONE, ENDED, Pulse
 from agent.rendezvous import (Generation, Layout, Rendezvous, RendezvousError, rank_env,
-                              replica_env)
+                              replica_env, until_present)
 from agent.slot import NodeSlot, SlotTaken
 from ftsystem.control import keys
 from ftsystem.measure import metrics
@@ -63,14 +68,18 @@ majority, replicas that register different objects."""
 EXIT_BAD_INPUT = 2
 """The agent's exit status when its flags contradict the job or its replica (nothing ran)."""
 EXIT_MISSED_THE_END = 4
-"""The agent's exit status when the job finished while its replica was down and every replica
-holding the final state has left: training again from scratch would end in another state."""
+"""The agent's exit status when the job finished without its replica: the replica was down
+(waiting for a lost node or a spare, or started only after the end) when the last replica
+holding the final state left. Training again from scratch would end in another state, and
+waiting on would hold its nodes until the allocation is cancelled."""
 EXIT_JOB_DELETED = 5
 """The agent's exit status when the job's spec was deleted while it ran (``ftsystem job delete
 --force``): there is no job left to restart its replica into."""
 TEARDOWN_S = 60.0
 """A rank whose interpreter is exiting (``runtime.EXITING_MARK``) gets this long to exit before
 it counts as hung: destroying process groups takes seconds, a wedged NCCL destructor forever."""
+CANCEL_AGAIN_S = 0.1
+"""How often a task that outlived its cancellation is cancelled again (``_cancel``)."""
 REPLICA_KEEPALIVE_S = 0.5
 """The replica lease is renewed this often (once per replica, not per node), so that the leader
 can tell a dead replica by a lease not renewed for a second (``controller.leader``)."""
@@ -129,7 +138,9 @@ class AgentConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class _SpecGone:
+class _Stop:
+    """Why the agent starts no (further) generation of its replica, and its exit status."""
+
     message: str
     exit_code: int
 
@@ -176,8 +187,9 @@ class Agent:
         self.slot_lost = False
 
     async def run(self) -> int:
-        """Supervise until the replica finishes (0), gives up (1), is refused (2), halts (3)
-        or is told to stop (130)."""
+        """Supervise until the replica finishes (0, also when it had finished before this
+        agent took its node rank), gives up (1), is refused (2), halts (3), the job finishes
+        without it (4), the job is deleted (5) or the agent is told to stop (130)."""
         try:
             return await self._run()
         finally:  # its lease file and the ranks' heartbeats; nobody reads them any more
@@ -211,9 +223,7 @@ class Agent:
             return 1 if self.slot_lost else code
         finally:
             await chaos.stop()
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await _cancel(background)
             await self.slot.release()
             self.pulse.close()
             await self.store.close()
@@ -237,22 +247,19 @@ class Agent:
     async def _supervise(self) -> int:
         backoff, last = self.cfg.backoff_s, -1
         for _ in range(self.cfg.max_restarts + 1):
-            missed = await self._until_etcd_back(self._missed_the_end)
-            if missed:
-                log.error("%s", missed)
-                return EXIT_MISSED_THE_END
-            gone = await self._until_etcd_back(self._reread_spec)
-            if gone is not None:
-                log.error("%s", gone)
-                return gone.exit_code
             generation = await self._unless_stopped(
                 self._until_etcd_back(lambda: self._next_generation(last)))
             if generation is None:
                 return 130
+            if isinstance(generation, _Stop):
+                (log.info if generation.exit_code == 0 else log.error)("%s", generation)
+                return generation.exit_code
             last = generation.number
             started = time.monotonic()
             outcome = await self._run_generation(generation)
             if outcome.success:
+                log.info("replica %s finished at step %d (generation %d)", self.cfg.replica_id,
+                         outcome.last_step, generation.number)
                 return 0
             if self.stop_requested.is_set():
                 return 130
@@ -284,29 +291,62 @@ class Agent:
         self.pulse.startup_s = max(self.cfg.peer_timeout_s, self.timeouts.lease_ttl_s)
         self.spec = spec
 
-    async def _reread_spec(self) -> "_SpecGone | None":
-        """Before each generation: the spec as it is now; why not to go on, if it is gone or
-        now contradicts this agent's flags."""
+    async def _why_not_start(self) -> _Stop | None:
+        """Before each generation: why the replica must not run again, or None. It finished
+        (this agent has nothing left to do); the job finished without it and nobody is left to
+        hand it the final state; the job's spec is gone or now contradicts this agent."""
+        current, _ = await self.rendezvous.current()
+        if current is not None and current.finished:
+            return _Stop(f"replica {self.cfg.replica_id} finished (generation {current.number}): "
+                         "not starting it again; this agent has nothing left to run", 0)
+        missed, _ = await self._missed_the_end()
+        if missed:
+            return _Stop(missed, EXIT_MISSED_THE_END)
+        return await self._reread_spec()
+
+    async def _reread_spec(self) -> _Stop | None:
+        """The spec as it is now; why not to go on, if it is gone or now contradicts this
+        agent's flags."""
         spec = await self.store.get_json(keys.spec(self.cfg.job))
         if spec is None and self.spec is not None:
-            return _SpecGone(f"job {self.cfg.job}'s spec was deleted while replica "
-                             f"{self.cfg.replica_id} ran (ftsystem job delete): not restarting "
-                             "it; create the job again, then start its agents",
-                             EXIT_JOB_DELETED)
+            return _Stop(f"job {self.cfg.job}'s spec was deleted while replica "
+                         f"{self.cfg.replica_id} ran (ftsystem job delete): not restarting it; "
+                         "create the job again, then start its agents", EXIT_JOB_DELETED)
         try:
             self._follow_spec(spec)
         except SpecConflict as e:
-            return _SpecGone(f"the job's spec changed: {e}", EXIT_BAD_INPUT)
+            return _Stop(f"the job's spec changed: {e}", EXIT_BAD_INPUT)
         return None
 
-    async def _missed_the_end(self) -> str | None:
+    async def _missed_the_end(self, missing: Sequence[int] = ()) -> tuple[str | None, int]:
+        """Why the job finished without this replica (``missed_the_end``), or None; and the
+        revision the registrations were read at."""
         job = self.cfg.job
         finished = await self.store.get_json(keys.finished(job))
+        items, revision = await self.store.get_prefix(keys.replicas(job))
         if finished is None:
-            return None
-        items, _ = await self.store.get_prefix(keys.replicas(job))
+            return None, revision
         return missed_the_end(self.cfg.replica_id, finished,
-                              {keys.last_segment(k) for k in items})
+                              {keys.last_segment(k) for k in items}, missing), revision
+
+    async def _until_the_job_ends_without_us(self) -> _Stop:
+        """While the replica waits for its nodes: returns once the job has finished and the
+        last replica holding the final state has left. Until then a node may come back or a
+        spare arrive, and the replica catch up and finish with the others."""
+        await until_present(self.store, keys.finished(self.cfg.job))
+        while True:
+            held, _ = await self.rendezvous.holders()
+            missed, revision = await self._missed_the_end(
+                [rank for rank in range(self.cfg.nodes) if rank not in held])
+            if missed:
+                return _Stop(missed, EXIT_MISSED_THE_END)
+            async for _ in self.store.watch_prefix(keys.replicas(self.cfg.job),
+                                                   start_revision=revision + 1):
+                break  # a registration changed: read again
+
+    async def _while_the_job_lasts(self, wait: Awaitable[T]) -> T | _Stop:
+        """``wait``'s result, or why to give up waiting: the job finished without us."""
+        return await _first_of(wait, self._until_the_job_ends_without_us())
 
     async def _until_etcd_back(self, op: Callable[[], Awaitable[T]]) -> T | None:
         """``op()``, retried across an etcd outage however long; tried once more, then None,
@@ -323,24 +363,26 @@ class Agent:
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None as soon as the agent is told to stop."""
-        task = asyncio.ensure_future(work)
-        stop = asyncio.create_task(self.stop_requested.wait())
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
-        return task.result()
+        async def stopped() -> None:
+            await self.stop_requested.wait()
+        return await _first_of(work, stopped())
 
     # --- generations -----------------------------------------------------------------------
 
-    async def _next_generation(self, last: int) -> Generation:
-        """Wait for all nodes, then open the next generation (node 0) or join it (others)."""
+    async def _next_generation(self, last: int) -> Generation | _Stop:
+        """Wait for all nodes, then open the next generation (node 0) or join it (others);
+        or why not to (``_why_not_start``, or the job finished while waiting)."""
+        if stop := await self._why_not_start():
+            return stop
         while True:
-            holders = await self.rendezvous.wait_full()
+            holders = await self._while_the_job_lasts(self.rendezvous.wait_full())
+            if isinstance(holders, _Stop):
+                return holders
             if self.node_rank != 0:
-                generation = await self.rendezvous.wait_opened(self.uid, after=last)
+                generation = await self._while_the_job_lasts(
+                    self.rendezvous.wait_opened(self.uid, after=last))
+                if isinstance(generation, _Stop):
+                    return generation
                 # Read again: a node that came back since the wait took its rank anew (and
                 # listens for pulses elsewhere).
                 holders, _ = await self.rendezvous.holders()
@@ -389,6 +431,9 @@ class Agent:
         if outcome.success:
             self.pulse.announce(DONE)
             await self._kill_children()
+            # Marked before this agent gives up its node rank: whoever takes the rank next (a
+            # spare, a restarted agent) finds the replica finished and starts nothing.
+            await self._until_etcd_back(lambda: self.rendezvous.finish(generation.number))
             if self.node_rank == 0:  # what the ranks registered on it goes with the replica
                 await self._until_etcd_back(lambda: self.store.revoke(generation.lease))
             return outcome
@@ -569,6 +614,35 @@ class Agent:
         await asyncio.gather(*(c.wait() for c in self.children))
 
 
+async def _first_of(*works: Awaitable[T]) -> T:
+    """The result of the first of ``works`` to finish (of several finished at once, the first
+    listed); the others are cancelled."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return next(task for task in tasks if task.done()).result()
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: Iterable[asyncio.Future]) -> None:
+    """Cancel ``tasks`` and wait until they have ended, also if the caller is cancelled
+    meanwhile (then re-raised after). One still running is cancelled again: in Python 3.11
+    ``asyncio.wait_for`` can drop a cancellation (CPython gh-86296), and aetcd creates every
+    watch through it, so a task cancelled while its watch was being created would go on
+    watching, and the agent never exit."""
+    pending, interrupted = set(tasks), None
+    while pending:
+        for task in pending:
+            task.cancel()
+        try:
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
+        except asyncio.CancelledError as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
+
+
 def parse_gpus(text: str) -> list[str]:
     """The GPUs of ``--gpus 0,1,2,3`` (indices or UUIDs, as ``CUDA_VISIBLE_DEVICES`` takes them);
     empty for an empty text."""
@@ -614,15 +688,19 @@ def gpu_env_per_rank(gpus: list[str], num_procs: int) -> list[dict[str, str]]:
     return [{ENV_VISIBLE_GPUS: gpu} for gpu in gpus[:num_procs]]
 
 
-def missed_the_end(replica_id: str, finished: dict, registered: set[str]) -> str | None:
+def missed_the_end(replica_id: str, finished: dict, registered: set[str],
+                   missing: Sequence[int] = ()) -> str | None:
     """Why the replica must not (re)start, or None (pure): the job ``finished`` and no other
     replica is registered, so none is left to hand it the final state. (A finished replica
-    stays registered while it waits for replicas that are restarting: they catch up from it.)"""
+    stays registered while it waits for replicas that are restarting: they catch up from it.)
+    ``missing``: the node ranks the replica was waiting for, if it was."""
     if registered - {replica_id}:
         return None
+    waiting = f" (waiting for node rank(s) {', '.join(map(str, missing))}: neither its node " \
+        "nor a spare came back)" if missing else ""
     return (f"replica {replica_id}: the job finished at step {finished.get('step')} (first "
-            f"reached by {finished.get('replica')}) while this replica was down, and every "
-            "replica holding the final state has left: not starting it again, which would "
+            f"reached by {finished.get('replica')}) while this replica was down{waiting}, and "
+            "every replica holding the final state has left: not starting it again, which would "
             "train from scratch to another state. Take the final state from the finished "
             "replicas' outputs or checkpoints; to run the job again, delete it first "
             "(ftsystem job delete)")

@@ -278,6 +278,29 @@ def test_a_join_step_that_failed_on_the_joiner_alone_is_taken_again_with_zeros(
     assert r1["commits"][0][0] == r1["catchup"]["join_step"]
 
 
+def test_catch_up_ends_when_the_log_cannot_cover_a_snapshots_transfer(
+        etcd, job_id, tmp_path, monkeypatch):
+    # A link too slow for the donor's log window: the donor keeps about one step, and the
+    # joiner pauses a second after each snapshot. Every log request after a snapshot is
+    # answered 410. After FTSYSTEM_CATCHUP_TRIES snapshots the joiner joins as it is, and the
+    # epoch's state sync brings it up to date.
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "1")
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_TRIES", "2")
+    monkeypatch.setenv("FTSYSTEM_CATCHUP_LOG_BYTES", str(_budget_for_one_step()))
+    cfg = RunConfig(num_replicas=2, num_steps=200, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    kills=_kill([(30, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
+    assert_invariant(run_job(cfg), cfg)
+    catchup = load_results(tmp_path)["r1"]["catchup"]
+    assert catchup["gave_up_after_snapshots"] == 2, catchup
+    assert len(catchup["donors"]) == 3  # two snapshots, then the log that had moved on
+
+
+def _budget_for_one_step() -> int:
+    """About one update log entry of the example model: its flat buffer (0.4 MB) and its loop
+    states (a few KiB); the budget of 1.5 of them keeps one entry, never two."""
+    return 6 * num_params(TinyGPT(ModelConfig()))
+
+
 def test_reconciles_a_step_committed_by_some_members_only(etcd, job_id, tmp_path):
     cfg = RunConfig(num_replicas=3, num_steps=150, etcd=etcd.url, job=job_id, out_dir=tmp_path,
                     kills=_kill([(50, 2, "fail-allreduce")]), train_args=TRAIN_ARGS,

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from agent.supervisor import EXIT_MISSED_THE_END, missed_the_end
+from agent.supervisor import missed_the_end
 from ftsystem.control import keys
 from ftsystem.launch.launcher import RunConfig, run_job
 from ftsystem.training.end_of_job import replicas_to_serve
@@ -55,20 +55,30 @@ def test_a_replica_restarted_after_everyone_left_a_finished_job_is_not_trained_a
     reason = missed_the_end("r1", finished, {"r1"})  # only its own, stale or not
     assert "finished at step 150" in reason and "ftsystem job delete" in reason
     assert missed_the_end("r1", finished, set())
+    # A replica that waited for a lost node says which.
+    assert "waiting for node rank(s) 1, 3" in missed_the_end("r1", finished, set(), [1, 3])
 
 
-def test_an_agent_started_for_a_finished_job_with_nobody_left_refuses(etcd, job_id, tmp_path):
+def test_an_agent_started_for_a_replica_that_finished_starts_nothing(etcd, job_id, tmp_path):
     # A whole job runs to its end; an agent for one of its replicas arrives afterwards (a host
-    # back from repair, a restart loop that outlived the job).
+    # back from repair, a restart loop that outlived the job): its replica is done. (One for a
+    # replica that missed the end: tests/test_spares.py.)
     cfg = RunConfig(num_replicas=1, num_steps=10, etcd=etcd.url, job=job_id, out_dir=tmp_path,
                     train_args=["--linger", "0"], show_progress=False)
+    # What an earlier run left in the same directory is not this run's.
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r0.commits").write_text("500 1.0\n")
+    (tmp_path / "results" / "r3.json").write_text("{}")
     summary = run_job(cfg)
     assert summary["agents_ok"] and summary["steps"] == 10
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["r0.commits", "r0.json"]
+    commits = (tmp_path / "results" / "r0.commits").read_text().splitlines()
+    assert max(int(line.split()[0]) for line in commits) == 10
     marker = tmp_path / "ran"
     program = [sys.executable, "-c", f"open({str(marker)!r}, 'a').write('ran')"]
     late = subprocess.run([sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd.url,
                            "--job", job_id, "--replica-id", "r0", "--", *program],
                           capture_output=True, text=True, timeout=120)
-    assert late.returncode == EXIT_MISSED_THE_END, late.stderr[-2000:]
-    assert "the job finished at step 10" in late.stderr
+    assert late.returncode == 0, late.stderr[-2000:]
+    assert "replica r0 finished (generation 0)" in late.stderr
     assert not marker.exists()  # nothing was started

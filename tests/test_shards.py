@@ -192,3 +192,17 @@ def test_a_parameter_one_member_used_gets_the_average_with_the_others_zeros():
     theirs = FlatLayout(params).pack()  # no gradient at all on the other member
     FlatLayout(params).unpack((mine + theirs) / 2)
     assert all(torch.equal(e, p.grad) for e, p in zip(expected, params))
+
+
+def test_non_persistent_buffers_travel_with_the_state():
+    # A buffer left out of state_dict() (persistent=False: a mask, a table, a counter a
+    # forward updates) is replicated state all the same.
+    def replica(fill: float):
+        model = torch.nn.Linear(2, 2)
+        model.register_buffer("seen", torch.full((3,), fill), persistent=False)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    donor, receiver = replica(7.0), replica(0.0)
+    state = local_state(*donor)
+    assert torch.equal(state["buffers"]["seen"], torch.full((3,), 7.0))
+    load_local_state(*receiver, torch.load(_saved(state), weights_only=True))
+    assert torch.equal(receiver[0].seen, torch.full((3,), 7.0))

@@ -259,7 +259,30 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
               "eval_loss": evaluated, "shard_hashes": shard_hashes,
               "state_hash": hashlib.sha256("".join(shard_hashes).encode()).hexdigest(),
               "num_params": num_params(model)}
-    (args.out / f"{ft.ctx.replica_id}.json").write_text(json.dumps(result))
+    write_once(args.out / f"{ft.ctx.replica_id}.json", result)
+
+
+def write_once(path: Path, result: dict) -> None:
+    """Write ``result`` unless the file holds another generation's: a replica's result is
+    its state at the end of the job, and a later generation of the same replica (a spare that
+    took over after it finished, by a race) must not replace it with something else.
+    ``os.link`` creates the file only if it is absent, atomically."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    try:
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            existing = json.loads(path.read_text())
+        if existing.get("generation") == result["generation"]:
+            os.replace(tmp, path)
+            return
+        logging.getLogger(__name__).error(
+            "replica %s generation %s: %s holds generation %s's result; keeping it",
+            result["replica"], result["generation"], path, existing.get("generation"))
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,7 @@ def run_job(cfg: RunConfig) -> dict:
     """Run the job to the end; returns the summary (also written to ``out_dir``)."""
     check_chaos_fits(cfg)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "results").mkdir(exist_ok=True)
+    _clear_results(cfg)
     procs = ProcessGroup(cfg.out_dir)
     with hosts(cfg) as node_hosts, etcd_endpoint(cfg, _service_address(node_hosts)) as (
             etcd, cluster):
@@ -265,6 +265,17 @@ def _api_token(out_dir: Path) -> str:
     return token
 
 
+def _clear_results(cfg: RunConfig) -> None:
+    """A run starts clean, like its etcd keys: an earlier run's result left in the directory
+    would count as this run's, and its commit timeline would be appended to."""
+    shutil.rmtree(_results_dir(cfg), ignore_errors=True)
+    _results_dir(cfg).mkdir()
+
+
+def _results_dir(cfg: RunConfig) -> Path:
+    return cfg.out_dir / "results"
+
+
 def _clear_checkpoints(cfg: RunConfig) -> None:
     """A run starts clean, like its etcd keys."""
     if cfg.checkpoint_every:
@@ -313,7 +324,7 @@ def agent_command(cfg: RunConfig, etcd: str, index: int, *, node_rank: int = 0,
     ``ftsystem.example.train`` (``--kill-at`` goes to every node: the replica's last rank acts on it)."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
     train = [sys.executable, "-m", "ftsystem.example.train", "--steps", str(cfg.num_steps),
-             "--data-shard", str(index), "--out", str(cfg.out_dir / "results"), *cfg.train_args,
+             "--data-shard", str(index), "--out", str(_results_dir(cfg)), *cfg.train_args,
              *cfg.replica_args.get(index, [])]
     node = ["--node-id", node_id] if node_id else []
     return _cli("agent", "--etcd", etcd, "--job", cfg.job, "--replica-id", replica_id(index),
@@ -409,7 +420,7 @@ async def _summarize(cfg: RunConfig, etcd: str, agents: NodeAgents,
     failures = sorted(({"replica": k[len(keys.failures(cfg.job)):].split("/")[0],
                         **json.loads(v)} for k, v in items.items()), key=lambda f: f["time"])
     results = {}
-    for path in sorted((cfg.out_dir / "results").glob("*.json")):
+    for path in sorted(_results_dir(cfg).glob("*.json")):
         result = json.loads(path.read_text())
         # Every generation's commits (the result holds the last generation's only).
         result["commits"] = stall.read_timeline(path.with_suffix(".commits")) or result["commits"]

@@ -104,7 +104,10 @@ class FTReplica:
         ``FTSYSTEM_WARM_UP``, else True).
 
         ``settings``: default ``ReplicaSettings.from_env()``."""
+        # First what can be refused without side effects: a bad setting or model loses nothing.
         self.settings = settings or ReplicaSettings.from_env()
+        self.trainable = ParameterSet(model, optimizer)
+        params = self._params = self.trainable.params
         self.ctx = ctx or ReplicaContext.from_env()
         self.replica = ReplicaGroup(self.ctx.world_size)
         self.model, self.optimizer = model, optimizer
@@ -124,8 +127,6 @@ class FTReplica:
         self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
                                          wait_for_workers=False) if self.ctx.rank == 0 \
             else None
-        self.parameters = ParameterSet(model, optimizer)
-        params = self._params = self.parameters.params
         layout = FlatLayout(params, forward_buffers(model))
         device = layout.device
         self.objects = ReplicatedObjects()
@@ -312,7 +313,7 @@ class FTReplica:
         """
         took = self.joiner.end_warm_up()
         release_grads(self._params)
-        self.objects.load_carry(self.state.carry)  # the batch it drew is not this replica's
+        self.state.rewind_loop()  # the batch it drew is not this replica's
         self.lifecycle.move(Phase.CATCHING_UP)
         self.joiner.catch_up()
         if took_a_step:
@@ -391,7 +392,7 @@ class FTReplica:
         if not self.lifecycle.is_(Phase.MEMBER, Phase.JOIN_STEP):
             raise RuntimeError(f"commit() in phase {self.phase.value}: call start() first "
                                "(or use `with FTReplica(...)`), and no commit after finish()")
-        self.parameters.check_unchanged()
+        self.trainable.check_unchanged()
         self.faults.check(self.step, "step")
         buf = self.gradients.sum(self.step, self._enter_for_sum,
                                  join_step=lambda: self.lifecycle.is_(Phase.JOIN_STEP))
