@@ -4,21 +4,24 @@ step and its divisor; and the digest verdict when some members copied their stat
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftsystem.training.entry_plan import (NO_LOG, MemberRow, forked, join_step_absentees,
-                                          plan_entry, sync_by_log)
-from ftsystem.training.fingerprint import judge
+                                          plan_entry, source_indices, sync_by_log)
+from ftsystem.training.fingerprint import echoes, judge
 
 CHAINS = [bytes([i]) * 16 for i in range(3)]
 
 rows_strategy = st.lists(st.builds(
     MemberRow, step=st.integers(0, 6), chain=st.sampled_from(CHAINS), fresh=st.booleans(),
-    proven=st.booleans(), oldest_logged=st.sampled_from([NO_LOG, 0, 1, 2, 3, 4, 5]),
+    copied_from=st.sampled_from([0, 0, 101, 102, 103]),
+    oldest_logged=st.sampled_from([NO_LOG, 0, 1, 2, 3, 4, 5]),
     signature=st.sampled_from([7, 7, 7, 9]), will_sum=st.booleans(),
-    offers_join_step=st.booleans(), carry_size=st.integers(0, 100)), min_size=1, max_size=6)
+    offers_join_step=st.booleans(), carry_size=st.integers(0, 100)), min_size=1, max_size=6
+).map(lambda rows: [replace(r, me=101 + i) for i, r in enumerate(rows)])
 
 
 @settings(max_examples=500, deadline=None)
@@ -65,12 +68,15 @@ def test_a_join_step_divides_by_the_members_that_sent_gradients(rows):
 
 @settings(max_examples=300, deadline=None)
 @given(rows_strategy)
-def test_the_donor_holds_the_chain_most_proven_members_at_its_step_hold(rows):
+def test_the_donor_holds_the_chain_most_members_at_its_step_hold_echoes_not_counted(rows):
     plan = plan_entry(rows)
     donor = rows[plan.donor]
     holders = [r for r in rows if not r.fresh] or rows
     at_top = [r for r in holders if r.step == donor.step]
-    voters = [r for r in at_top if r.proven] or at_top
+    sources = source_indices([r.me for r in rows], [r.copied_from for r in rows])
+    echo = {id(r) for r, s in zip(rows, sources)
+            if s is not None and rows[s].step == r.step and rows[s].chain == r.chain}
+    voters = [r for r in at_top if id(r) not in echo] or at_top
     votes = Counter(r.chain for r in voters)
     assert votes[donor.chain] == max(votes.values())
 
@@ -80,10 +86,11 @@ def test_between_two_forks_at_one_step_the_majority_wins_not_the_lowest_index():
     rows = [MemberRow(step=5, chain=a), MemberRow(step=5, chain=b), MemberRow(step=5, chain=b)]
     plan = plan_entry(rows)
     assert rows[plan.donor].chain == b and plan.receivers == (0,)
-    # A copy does not vote: a replica that loaded r0's state since the last comparison.
-    rows = [MemberRow(step=5, chain=a), MemberRow(step=5, chain=a, proven=False),
-            MemberRow(step=5, chain=b)]
-    assert plan_entry(rows).donor == 0  # a 1-1 tie among the proven: the lowest index
+    # A copy that still holds its source's chain is no vote: r1 loaded r0's state since the
+    # last comparison, so a, a, b is one vote for each: the lowest index.
+    rows = [MemberRow(step=5, chain=b, me=1), MemberRow(step=5, chain=a, me=2),
+            MemberRow(step=5, chain=a, me=3, copied_from=2)]
+    assert plan_entry(rows).donor == 0
 
 
 def test_a_joiner_whose_join_step_failed_on_it_alone_still_sends_zeros_in_the_next_epoch():
@@ -91,7 +98,7 @@ def test_a_joiner_whose_join_step_failed_on_it_alone_still_sends_zeros_in_the_ne
     # failed; in the next epoch they sum step 9 while the joiner, at 7, still offers.
     rows = [MemberRow(step=8, chain=CHAINS[1], will_sum=True, oldest_logged=4),
             MemberRow(step=8, chain=CHAINS[1], will_sum=True, oldest_logged=4),
-            MemberRow(step=7, chain=CHAINS[0], offers_join_step=True, proven=False)]
+            MemberRow(step=7, chain=CHAINS[0], offers_join_step=True, copied_from=5)]
     plan = plan_entry(rows)
     assert plan.receivers == (2,) and plan.join_step == (2,) and plan.divisor == 2
     assert sync_by_log(plan, rows, {8: CHAINS[0]})
@@ -114,7 +121,7 @@ def test_a_member_behind_by_an_uncommitted_step_and_a_fresh_joiner():
 
 
 def test_rows_travel_as_words_and_back():
-    row = MemberRow(step=12, chain=CHAINS[2], fresh=True, proven=False, oldest_logged=3,
+    row = MemberRow(step=12, chain=CHAINS[2], fresh=True, me=-9, copied_from=4, oldest_logged=3,
                     signature=-5, will_sum=True, offers_join_step=True, carry_size=77)
     assert MemberRow.from_words(row.words()) == row
 
@@ -128,13 +135,19 @@ def test_join_step_absentees_need_every_other_member_summing():
 
 def test_a_copy_of_a_bad_donor_cannot_outvote_the_healthy_replicas():
     bad, good = b"b" * 16, b"g" * 16
-    # donor gone bad, two healthy members, and a joiner that copied the donor
-    verdict = judge([bad, good, good, bad], counted=[True, True, True, False])
+    # donor 0 gone bad before the copy, two healthy members, and joiner 3 that copied it
+    verdict = judge([bad, good, good, bad], sources=[None, None, None, 0])
     assert verdict.majority == (1, 2) and verdict.divergent == (0, 3)
     # counted like the others, the copy would have made a 2-2 split
     assert not judge([bad, good, good, bad]).repairable
     # one healthy against the donor: nobody can tell, and the healthy one is not overwritten
-    verdict = judge([bad, good, bad], counted=[True, True, False])
-    assert not verdict.repairable
-    # nobody counted (all copies): everybody votes
-    assert judge([good, good, bad], counted=[False] * 3).majority == (0, 1)
+    assert not judge([bad, good, bad], sources=[None, None, 0]).repairable
+
+
+def test_copies_made_before_their_source_went_bad_still_vote():
+    bad, good = b"b" * 16, b"g" * 16
+    # members 1 and 2 loaded member 0's state (the job's start, a cold restart), then 0 went
+    # bad: they no longer echo it, so they outvote it
+    verdict = judge([bad, good, good], sources=[None, 0, 0])
+    assert verdict.majority == (1, 2) and verdict.divergent == (0,)
+    assert echoes([bad, good, bad], [None, 0, 0]) == [False, False, True]

@@ -5,8 +5,9 @@ same :class:`EntryPlan` from the same rows, and ``epoch_entry`` carries it out. 
 does I/O, so the rules are property-tested (``tests/test_entry_plan.py``):
 
 - **Who donates.** Among the members that hold the job's state (not fresh), the most advanced;
-  at that step, the commit chain that most of them hold, counting only proven members when any
-  is (see :attr:`MemberRow.proven`); the lowest index among equals. With nobody holding state
+  at that step, the commit chain that most of them hold, a copy that still holds its source's
+  chain counting with its source, not on its own (:attr:`MemberRow.copied_from`); the lowest
+  index among equals. With nobody holding state
   (the job's start) member 0.
 - **Who receives.** Every member that is fresh, behind the donor, or at its step on another
   chain. Members at the donor's step on its chain hold identical state already.
@@ -19,6 +20,7 @@ does I/O, so the rules are property-tested (``tests/test_entry_plan.py``):
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, fields
 
@@ -38,9 +40,11 @@ class MemberRow:
     """Its commit chain (``fingerprint.chain_next``)."""
     fresh: bool = False
     """It holds no state of the job yet (a new process, or one that dropped its state)."""
-    proven: bool = True
-    """Its state was compared with the others' since it last copied a peer's whole state. A
-    copy holds its source's digest, right or wrong, so it is not an independent vote."""
+    me: int = 0
+    """Its replica id, hashed (:func:`replica_word`)."""
+    copied_from: int = 0
+    """The replica whose whole state it copied since its last digest comparison, hashed (0:
+    none). While it holds what its source holds it is an echo of it, not a vote of its own."""
     oldest_logged: int = NO_LOG
     """The oldest step its update log can replay from."""
     signature: int = 0
@@ -54,17 +58,18 @@ class MemberRow:
 
     def words(self) -> list[int]:
         """As int64 words (what travels in the all-reduce)."""
-        return [self.step, int(self.fresh), int(self.proven), self.oldest_logged,
+        return [self.step, int(self.fresh), self.me, self.copied_from, self.oldest_logged,
                 self.signature, int(self.will_sum), int(self.offers_join_step),
                 self.carry_size, *to_words(self.chain)]
 
     @classmethod
     def from_words(cls, words: list[int]) -> "MemberRow":
-        (step, fresh, proven, oldest, signature, will_sum, offers, carry_size), chain = \
-            words[:8], words[8:]
-        return cls(step=step, chain=from_words(chain), fresh=bool(fresh), proven=bool(proven),
-                   oldest_logged=oldest, signature=signature, will_sum=bool(will_sum),
-                   offers_join_step=bool(offers), carry_size=carry_size)
+        (step, fresh, me, copied_from, oldest, signature, will_sum, offers, carry_size), chain \
+            = words[:9], words[9:]
+        return cls(step=step, chain=from_words(chain), fresh=bool(fresh), me=me,
+                   copied_from=copied_from, oldest_logged=oldest, signature=signature,
+                   will_sum=bool(will_sum), offers_join_step=bool(offers),
+                   carry_size=carry_size)
 
 
 ROW_WORDS = len(fields(MemberRow)) - 1 + WORDS
@@ -103,10 +108,27 @@ def choose_donor(rows: list[MemberRow]) -> int:
     holders = [i for i, r in enumerate(rows) if not r.fresh] or list(range(len(rows)))
     top = max(rows[i].step for i in holders)
     at_top = [i for i in holders if rows[i].step == top]
-    voters = [i for i in at_top if rows[i].proven] or at_top
+    sources = source_indices([r.me for r in rows], [r.copied_from for r in rows])
+    voters = [i for i in at_top if not (sources[i] is not None and
+                                        rows[sources[i]].step == top and
+                                        rows[sources[i]].chain == rows[i].chain)] or at_top
     votes = Counter(rows[i].chain for i in voters)
     best = max(votes.values())
     return next(i for i in at_top if votes.get(rows[i].chain, 0) == best)
+
+
+def replica_word(replica_id: str) -> int:
+    """A replica id as one nonzero int64 word (what travels in a row)."""
+    word = int.from_bytes(hashlib.blake2b(replica_id.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+    return word or 1
+
+
+def source_indices(me: list[int], copied_from: list[int]) -> list[int | None]:
+    """Per member, the index of the member it copied its state from (None: none, or the
+    source is not a member)."""
+    index = {word: i for i, word in enumerate(me) if word}
+    return [index.get(word) if word else None for word in copied_from]
 
 
 def join_step_absentees(summing: list[bool], offers: list[bool], receivers: list[int]

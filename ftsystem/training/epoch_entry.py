@@ -24,7 +24,7 @@ from ftsystem.measure import metrics
 from ftsystem.training import carriable
 from ftsystem.training.catchup import LoggedUpdate
 from ftsystem.training.entry_plan import (NO_LOG, ROW_WORDS, EntryPlan, MemberRow, forked,
-                                          plan_entry, sync_by_log)
+                                          plan_entry, replica_word, sync_by_log)
 from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce
 from ftsystem.training.integrity import Integrity
 from ftsystem.training.local_state import LocalState
@@ -146,7 +146,9 @@ class EpochEntry:
         # a joiner taking that step with no gradient takes these states.
         pending_carry = self.state.objects.carry() if will_sum else b""
         mine = MemberRow(step=self.state.step, chain=self.state.chain, fresh=self.state.fresh,
-                         proven=self.state.proven, oldest_logged=oldest,
+                         me=replica_word(self.ctx.replica_id),
+                         copied_from=replica_word(self.state.copied_from)
+                         if self.state.copied_from else 0, oldest_logged=oldest,
                          signature=self.integrity.signature_word(), will_sum=will_sum,
                          offers_join_step=offers_join_step, carry_size=len(pending_carry))
         table = torch.zeros(n, ROW_WORDS, dtype=torch.int64, device=self._device)
@@ -242,13 +244,8 @@ class EpochEntry:
         buf = self._broadcast_bytes(self.state.serialize() if self.ftar.rank == donor else b"",
                                     donor)
         source = self.ftar.epoch.members[donor]
-        # At the job's start nobody trained: there is nothing the source could have gone wrong
-        # on, and nothing to compare it with. Later a copy is not a vote of its own until it
-        # is compared (entry_plan.MemberRow.proven).
-        proven = plan.log_last == 0
-
         def load() -> None:
-            self.state.load_serialized(buf, self._device, proven=proven)
+            self.state.load_serialized(buf, self._device, source=source)
             log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
                      self.ctx.rank, self.state.step, source)
         return load

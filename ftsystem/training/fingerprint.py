@@ -100,22 +100,33 @@ class Judgement:
         return bool(self.majority)
 
 
-def judge(digests: list[bytes], counted: list[bool] | None = None) -> Judgement:
-    """Who differs from whom: a digest held by more than half of the members that count is the
-    truth, every member (counted or not) holding another is divergent. With no strict majority
+def echoes(digests: list[bytes], sources: list[int | None]) -> list[bool]:
+    """Which members are echoes: each copied the whole state of member ``sources[i]`` since
+    the last comparison and still holds that member's digest. An echo is no vote of its own,
+    right or wrong, since it holds what its source held. A copy whose digest differs from its
+    source's is a vote: one of the two changed since the copy (a source gone bad after it, or
+    the copy itself)."""
+    return [s is not None and s != i and digests[s] == digests[i]
+            for i, s in enumerate(sources)]
+
+
+def judge(digests: list[bytes], sources: list[int | None] | None = None) -> Judgement:
+    """Who differs from whom: a digest held by more than half of the votes is the truth,
+    every member holding another (voting or an echo) is divergent. With no strict majority
     (a 1-1 split, or all different) nobody can tell which state is right.
 
-    ``counted``: the members whose digest is a vote of its own. A replica that copied a peer's
-    whole state since the last comparison holds that peer's digest, right or wrong: counting it
-    would count its source twice (see ``entry_plan.MemberRow.proven``). When none counts, all do.
+    ``sources``: per member, the member whose whole state it copied since the last comparison
+    (None: none). Echoes (:func:`echoes`) do not vote: a joiner that copied a donor gone bad
+    cannot make the bad state a majority with it. When every member is an echo, all vote.
     """
-    if counted is None or not any(counted):
-        counted = [True] * len(digests)
-    votes = Counter(d for d, c in zip(digests, counted) if c)
+    voting = [not e for e in echoes(digests, sources)] if sources else [True] * len(digests)
+    if not any(voting):
+        voting = [True] * len(digests)
+    votes = Counter(d for d, v in zip(digests, voting) if v)
     common, count = votes.most_common(1)[0]
     if all(d == common for d in digests):
         return Judgement(divergent=(), majority=tuple(range(len(digests))))
-    if 2 * count > sum(counted):
+    if 2 * count > sum(voting):
         return Judgement(divergent=tuple(i for i, d in enumerate(digests) if d != common),
                          majority=tuple(i for i, d in enumerate(digests) if d == common))
     return Judgement(divergent=tuple(range(len(digests))), majority=())

@@ -74,7 +74,7 @@ class LocalState:
         self._chain = GENESIS
         self._carry = b""
         self._fresh = True
-        self._proven = True
+        self._copied_from: str | None = None
         self._scratch: torch.Tensor | None = None
 
     # --- reading ---------------------------------------------------------------------------
@@ -100,9 +100,11 @@ class LocalState:
         return self._fresh
 
     @property
-    def proven(self) -> bool:
-        """Compared with the others since it last copied a peer's whole state."""
-        return self._proven
+    def copied_from(self) -> str | None:
+        """The replica whose whole state this rank copied since its last digest comparison
+        (None: none): while it holds what its source holds, it is an echo of it, no vote of
+        its own (``fingerprint.echoes``)."""
+        return self._copied_from
 
     def state(self) -> dict:
         """Everything replicated, at :attr:`step`: tensors by reference (see Snapshotter)."""
@@ -193,21 +195,19 @@ class LocalState:
             self._scratch = torch.empty_like(update)
         return self._scratch.copy_(update)
 
-    def load(self, state: dict, *, proven: bool) -> None:
-        """Take a peer's whole state (a snapshot, the epoch's state sync). ``proven``: the
-        source's state was compared with the others' at this step (the job's start, where
-        there is nothing to compare, counts as proven)."""
+    def load(self, state: dict, *, source: str) -> None:
+        """Take the whole state of replica ``source`` (a snapshot, the epoch's state sync)."""
         self.snapshotter.before_mutation()
         self.update_log.clear()
         load_local_state(self.model, self.optimizer, state)
         self.objects.load_step_state(state["objects"])
         self.objects.load_carry(state["carry"])
         self._step, self._chain, self._carry = state["step"], state["chain"], state["carry"]
-        self._fresh, self._proven = False, proven
+        self._fresh, self._copied_from = False, source
         self._on_step(self._step)
 
-    def load_serialized(self, payload: bytes, device: torch.device, *, proven: bool) -> None:
-        self.load(carriable.load(io.BytesIO(payload), map_location=device), proven=proven)
+    def load_serialized(self, payload: bytes, device: torch.device, *, source: str) -> None:
+        self.load(carriable.load(io.BytesIO(payload), map_location=device), source=source)
 
     def resumed(self, step: int) -> None:
         """The model, optimizer and :meth:`extras` were loaded from a disk checkpoint of
@@ -241,9 +241,10 @@ class LocalState:
         (a repair, or a joiner whose donor turned out to be on another history)."""
         self._fresh = True
 
-    def proved(self) -> None:
-        """Its digest agreed with the majority's."""
-        self._proven = True
+    def compared(self) -> None:
+        """Its digest was compared with the others' and agreed with the majority's: from
+        here on it is a vote of its own."""
+        self._copied_from = None
 
     def receiving(self) -> None:
         """A snapshot is being received into this rank's own tensors: until it is loaded
