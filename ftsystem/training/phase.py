@@ -2,10 +2,11 @@
 
 .. code-block:: text
 
-    NEW ──> WARMING ──> CATCHING_UP ──> JOINING ──> MEMBER <──> REPAIRING
-     │                       ^             │  ^        │
-     └───────────────────────┴─────────────┘  │        └──> FINISHING ──> FINISHED
-                                       JOIN_STEP ──┘
+    NEW ─┬─> WARMING ──> CATCHING_UP ──┬─> JOINING ─┬─> JOIN_STEP ──> MEMBER
+         ├─────────────> CATCHING_UP ──┘            └─────────────> MEMBER
+         └────────────────────────────────> JOINING
+    MEMBER ──> REPAIRING ──> MEMBER
+    MEMBER ──> FINISHING ──> FINISHED
 
 A joiner (NEW, then WARMING while the loop computes the step it drops) catches up from a donor
 while the others train, registers ready (JOINING) and enters its first epoch. If the members
