@@ -180,3 +180,20 @@ def test_batch_norm_statistics_follow_a_replay_and_are_the_members_average():
     _replay_all(a[0], joiner[0])
     _assert_same(a[0], joiner[0])
     assert a[1][1].num_batches_tracked.item() == 5
+
+
+def test_a_former_joiner_no_longer_replays_its_donors_log():
+    # While it waits for its first epoch a joiner keeps up with its donor's log; once it is a
+    # member that log is nothing to it: it must not replay a donor's steps on its own.
+    from types import SimpleNamespace
+
+    from ftsystem.training.joiner import Joiner
+    from ftsystem.training.settings import ReplicaSettings
+
+    ctx = SimpleNamespace(job="j", replica_id="r1", timeout_s=1.0, world_size=1, rank=0)
+    joiner = Joiner(ctx, control=None, replica=None, state=None, credentials=None,
+                    settings=ReplicaSettings())
+    joiner._donor_addr = "127.0.0.1:1"  # what catch_up() leaves behind
+    joiner.joined()
+    joiner.keep_up()  # would fetch the donor's log (and fail: there is no donor, no state)
+    assert joiner._donor_addr is None
