@@ -244,6 +244,7 @@ class EpochEntry:
         buf = self._broadcast_bytes(self.state.serialize() if self.ftar.rank == donor else b"",
                                     donor)
         source = self.ftar.epoch.members[donor]
+
         def load() -> None:
             self.state.load_serialized(buf, self._device, source=source)
             log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
