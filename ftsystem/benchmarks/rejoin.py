@@ -42,7 +42,7 @@ Launch phase: the joiner is launched a fraction of a step after one of the membe
 ``(r + 0.5) / N`` in round r of N (the members' normal step time from their commits so far),
 the same for every system in a round. A joiner can join only at one of the members'
 all-reduces, so its time to join is a sawtooth of when it is launched in their step: launched
-always right after a commit (as before session 21), every round measured one point of it.
+always right after a commit, every round would measure one point of it.
 Spread over the step, the rounds sample the whole tooth, and each system meets the same points.
 
 ``--rounds N`` runs every size N times, the order of the systems alternated per round; each
