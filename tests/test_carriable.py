@@ -17,8 +17,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ftsystem.training import carriable
-from ftsystem.training.catchup import decode_state, encode_state
 from ftsystem.training.replicated import ReplicatedObjects
+from ftsystem.training.wire import decode_state, encode_state
 
 
 class Phase(enum.Enum):

@@ -15,10 +15,12 @@ import torch
 
 from conftest import wait_for
 from ftsystem.control import keys
-from ftsystem.training.catchup import (KEEP_MIN_ENTRIES, DonorUnavailableError, LoggedUpdate,
-                              Snapshotter, StateServer, UpdateLog, decode_state, encode_state,
-                              fetch_layout, fetch_log, fetch_snapshot, receiving_buffers,
-                              tensor_places, tree_tensors)
+from ftsystem.training.http_transport import HTTPTransport, StateServer
+from ftsystem.training.snapshot import Snapshotter
+from ftsystem.training.transport import DonorUnavailableError
+from ftsystem.training.update_log import KEEP_MIN_ENTRIES, LoggedUpdate, UpdateLog
+from ftsystem.training.wire import (decode_state, encode_state, receiving_buffers, tensor_places,
+                                    tree_tensors)
 from ftsystem.training.entry_plan import join_step_absentees
 from ftsystem.training.fingerprint import GENESIS
 from ftsystem.training.state_access import Credentials, StateAccess
@@ -77,7 +79,7 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
                          assigned_donor=lambda rid: None)
     server = StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 12, timeout_s=10,
                          access=access)
-    member = Credentials("r1", "t")
+    member = HTTPTransport(10, Credentials("r1", "t"))
     try:
         stop = threading.Event()
 
@@ -85,7 +87,7 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
             while not stop.wait(0.01):
                 snapshotter.after_commit(12)
         threading.Thread(target=train, daemon=True).start()
-        snapshot = fetch_snapshot(server.address, 10, credentials=member)
+        snapshot = member.fetch_snapshot(server.address)
         stop.set()
         assert snapshot.step == 12 and snapshot.nbytes > 2 * 1000 * 300 * 4
         assert snapshot.stats()["transfer_bytes_per_s"] > 0
@@ -98,15 +100,15 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
         grads = [torch.randn(5000) for _ in range(KEEP_MIN_ENTRIES + 2)]
         for step, grad in enumerate(grads, start=13):
             log.append(step, LoggedUpdate(grad, parent=b"p%d" % step, chain=b"c%d" % step))
-        updates, head, nbytes = fetch_log(server.address, 14, 10, credentials=member)
+        updates, head, nbytes = member.fetch_log(server.address, 14)
         assert head == 12 and nbytes > 4 * 5000 * len(updates)  # head: current_step's answer
         assert [s for s, _ in updates] == list(range(15, 13 + len(grads)))
         assert all(torch.equal(u.grad, grads[s - 13]) and u.chain == b"c%d" % s
                    for s, u in updates)
-        assert fetch_log(server.address, 1, 10, credentials=member) is None  # dropped
+        assert member.fetch_log(server.address, 1) is None  # dropped
         assert snapshotter.step == -1  # and the old snapshot was freed for a newer one
         with pytest.raises(DonorUnavailableError, match="409"):
-            fetch_snapshot(server.address, 10, at_step=5, credentials=member)  # committed
+            member.fetch_snapshot(server.address, at_step=5)  # committed
     finally:
         server.shutdown()
 
@@ -118,7 +120,7 @@ def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snap
                          assigned_donor=lambda rid: None)
     server = StateServer("127.0.0.1", snapshotter, UpdateLog(), current_step=lambda: 12,
                          timeout_s=10, access=access)
-    member = Credentials("r1", "t")
+    member = HTTPTransport(10, Credentials("r1", "t"))
     own = {("model", "w"): torch.zeros(1000, 300), ("model", "h"): torch.zeros(3)}
     layouts, destinations = [], {}
 
@@ -127,7 +129,7 @@ def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snap
         destinations.update(receiving_buffers(own, layout))
         return destinations
     try:
-        assert fetch_layout(server.address, 10, credentials=member) == {}  # no commit yet
+        assert member.fetch_layout(server.address) == {}  # no commit yet
         stop = threading.Event()
 
         def train() -> None:
@@ -135,10 +137,10 @@ def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snap
                 snapshotter.after_commit(12)
         threading.Thread(target=train, daemon=True).start()
         wait_for(lambda: snapshotter.layout is not None, 30, "a first commit")
-        snapshot = fetch_snapshot(server.address, 10, credentials=member, into=into)
+        snapshot = member.fetch_snapshot(server.address, into=into)
         stop.set()
-        wrong = Credentials("r1", "wrong")
-        assert fetch_layout(server.address, 10, credentials=wrong) == {}  # refused
+        wrong = HTTPTransport(10, Credentials("r1", "wrong"))
+        assert wrong.fetch_layout(server.address) == {}  # refused
     finally:
         server.shutdown()
     places = tensor_places(state)
@@ -161,7 +163,7 @@ def test_the_session_ends_once_everyone_served_is_a_member(monkeypatch):
                          timeout_s=10, access=access)
     try:
         log.append(3, LoggedUpdate(torch.zeros(8), parent=GENESIS, chain=GENESIS))
-        assert fetch_log(server.address, 2, 10, credentials=Credentials("r2", "t"))
+        assert HTTPTransport(10, Credentials("r2", "t")).fetch_log(server.address, 2)
         assert log.session_active
         time.sleep(2.5)  # two polls: r2 is still catching up
         assert log.session_active

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from ftsystem.training.catchup import UpdateLog
 from ftsystem.training.fingerprint import state_digest
 from ftsystem.training.local_state import LocalState
 from ftsystem.training.parameters import (ParameterSet, ParameterSetChanged, check_model,
                                           trainable)
 from ftsystem.training.replicated import ReplicatedObjects, RNGState
 from ftsystem.training.flat import FlatLayout, forward_buffers
+from ftsystem.training.update_log import UpdateLog
 
 
 class Counter:
@@ -186,14 +186,18 @@ def test_a_former_joiner_no_longer_replays_its_donors_log():
     # While it waits for its first epoch a joiner keeps up with its donor's log; once it is a
     # member that log is nothing to it: it must not replay a donor's steps on its own.
     from types import SimpleNamespace
+    from unittest.mock import create_autospec
 
     from ftsystem.training.joiner import Joiner
     from ftsystem.training.settings import ReplicaSettings
+    from ftsystem.training.transport import StateTransport
 
     ctx = SimpleNamespace(job="j", replica_id="r1", timeout_s=1.0, world_size=1, rank=0)
-    joiner = Joiner(ctx, control=None, replica=None, state=None, credentials=None,
+    transport = create_autospec(StateTransport, instance=True)
+    joiner = Joiner(ctx, control=None, replica=None, state=None, transport=transport,
                     settings=ReplicaSettings())
     joiner._donor_addr = "127.0.0.1:1"  # what catch_up() leaves behind
     joiner.joined()
     joiner.keep_up()  # would fetch the donor's log (and fail: there is no donor, no state)
     assert joiner._donor_addr is None
+    transport.fetch_log.assert_not_called()

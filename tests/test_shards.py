@@ -7,9 +7,9 @@ import io
 
 import torch
 
-from ftsystem.training.catchup import tree_tensors
 from ftsystem.training.flat import FlatLayout, release_grads
 from ftsystem.training.shards import load_local_state, local_state
+from ftsystem.training.wire import tree_tensors
 from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 LANGUAGE = MarkovLanguage()

@@ -26,13 +26,14 @@ from ftsystem.control import keys
 from ftsystem.control.membership import Epoch
 from ftsystem.control.store import Store
 from ftsystem.control.tokens import AuthConfigError, load_token
-from ftsystem.training.catchup import (DonorUnavailableError, LoggedUpdate, Snapshotter,
-                                       StateServer, UpdateLog, fetch_head, fetch_log,
-                                       fetch_snapshot)
 from ftsystem.training.fingerprint import GENESIS
+from ftsystem.training.http_transport import HTTPTransport, StateServer
 from ftsystem.training.runtime import ControlPlane, ReplicaContext
+from ftsystem.training.snapshot import Snapshotter
 from ftsystem.training.state_access import (GRANT_TTL_S, HEADER_REPLICA, Credentials,
                                             StateAccess, StateAccessError, replica_access)
+from ftsystem.training.transport import DonorUnavailableError
+from ftsystem.training.update_log import LoggedUpdate, UpdateLog
 from test_deploy import agent_services, compose, fake_slurm, interpolate, k8s, run_sbatch
 
 TOKEN = "job-secret-0123456789"
@@ -85,21 +86,22 @@ def test_only_token_holders_that_are_members_or_assigned_joiners_get_state(etcd,
                 assert answer.headers["WWW-Authenticate"] == "Bearer"
                 assert "job token" in answer.text and TOKEN not in answer.text
         with pytest.raises(DonorUnavailableError, match="401"):
-            fetch_snapshot(server.address, 10, credentials=Credentials("r1", "wrong"))
+            HTTPTransport(10, Credentials("r1", "wrong")).fetch_snapshot(server.address)
 
         # 200 for a member, and for a joiner the leader assigned to this donor
-        member, joiner = Credentials("r1", TOKEN), Credentials("r2", TOKEN)
-        snapshot = fetch_snapshot(server.address, 10, credentials=member)
+        member = HTTPTransport(10, Credentials("r1", TOKEN))
+        joiner = HTTPTransport(10, Credentials("r2", TOKEN))
+        snapshot = member.fetch_snapshot(server.address)
         assert snapshot.step == 5 and torch.equal(snapshot.state["model"]["w"], torch.arange(6.0))
-        assert fetch_snapshot(server.address, 10, credentials=joiner).step == 5
-        updates, head, _ = fetch_log(server.address, 4, 10, credentials=joiner)
+        assert joiner.fetch_snapshot(server.address).step == 5
+        updates, head, _ = joiner.fetch_log(server.address, 4)
         assert [s for s, _ in updates] == [5] and head == 5
-        assert fetch_head(server.address, 10, credentials=joiner) == 5
+        assert joiner.fetch_head(server.address) == 5
 
         # 403 for a replica that is neither, one assigned to another donor, or one unnamed
         for stranger in ("r9", "r3", "../r0"):
             with pytest.raises(DonorUnavailableError, match="403.*neither a member of epoch 3"):
-                fetch_log(server.address, 4, 10, credentials=Credentials(stranger, TOKEN))
+                HTTPTransport(10, Credentials(stranger, TOKEN)).fetch_log(server.address, 4)
         unnamed = httpx.get(url + "/snapshot", headers={"Authorization": f"Bearer {TOKEN}"})
         assert unnamed.status_code == 403 and HEADER_REPLICA in unnamed.text
         # /status needs the token only (steps and byte counts, no state)
@@ -118,7 +120,7 @@ def test_only_token_holders_that_are_members_or_assigned_joiners_get_state(etcd,
 
 def _served(addr: str, credentials: Credentials) -> bool:
     try:
-        return fetch_log(addr, 4, 10, credentials=credentials) is not None
+        return HTTPTransport(10, credentials).fetch_log(addr, 4) is not None
     except DonorUnavailableError:
         return False
 

@@ -106,8 +106,8 @@ def _timed(fn: Callable[[], object], times: int) -> list[float]:
 
 def measure(params: int, *, rounds: int, everies: Sequence[int]) -> dict:
     """One size: ``rounds`` rounds of step and digest timings, in alternating order."""
-    from ftsystem.training.catchup import tree_tensors
     from ftsystem.training.fingerprint import state_digest
+    from ftsystem.training.wire import tree_tensors
     from ftsystem.example.workload import num_params
 
     replica = _Replica(params)

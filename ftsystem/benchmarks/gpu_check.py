@@ -3,7 +3,7 @@
 What a GPU changes is the data plane only, and one GPU cannot hold several NCCL ranks of one
 communicator, so the checks are:
 
-- ``snapshot_copy``: the donor's snapshot of CUDA state (``catchup.host_copy``: asynchronous
+- ``snapshot_copy``: the donor's snapshot of CUDA state (``snapshot.host_copy``: asynchronous
   device-to-host copies into pinned memory on a side stream), its bandwidth and exactness, and
   how long the training stream's queued work is delayed by it (it should not be);
 - ``nccl_single_rank``: torchft's ``ProcessGroupNCCL`` configured through a store as FTAR does,
@@ -44,7 +44,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ftsystem.measure import report
-from ftsystem.training.catchup import host_copy, tree_tensors
+from ftsystem.training.snapshot import host_copy
+from ftsystem.training.wire import tree_tensors
 from ftsystem.training.devices import local_device, use_device
 from ftsystem.control.membership import Epoch
 

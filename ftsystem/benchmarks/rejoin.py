@@ -32,7 +32,7 @@ instead would starve its transfer (measured here: 0.1 GB/s against 0.7-1.3 GB/s 
 processes), so the bench leaves it so and says it.
 
 Transfer rates: ftsystem's joiner times its snapshot from the donor's first byte to its last
-(``catchup.Snapshot``); torchft's joiner logs how long its ``HTTPTransport`` took to fetch and
+(``transport.Snapshot``); torchft's joiner logs how long its ``HTTPTransport`` took to fetch and
 load the checkpoint, for the same model and AdamW state. Neither includes waiting for the donor
 to take its copy. ``blocking`` sends its state inside the join epoch's collective: not timed on
 its own (null). The wire's own rate, ``loopback_bytes_per_s``, is measured once per round by

@@ -81,7 +81,7 @@ def check(state: Any, what: str) -> None:
     """Raise :class:`NotCarriable` if :func:`load` would refuse a value of ``state`` (a
     ``state_dict()``); ``what`` names the state's owner in the message ("registered object
     'lr_schedule'", "optimizer state"). Tensors are checked by shape and dtype only."""
-    from ftsystem.training.catchup import map_tensors  # catchup loads through this module
+    from ftsystem.training.wire import map_tensors  # wire loads through this module
 
     skeleton = map_tensors(state, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     if _refusal(skeleton) is None:

@@ -22,7 +22,6 @@ from ftsystem.chaos.faults import FaultSchedule
 from ftsystem.control.membership import Epoch
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
-from ftsystem.training.catchup import LoggedUpdate
 from ftsystem.training.entry_plan import (NO_LOG, ROW_WORDS, EntryPlan, MemberRow, forked,
                                           plan_entry, replica_word, sync_by_log)
 from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce
@@ -30,6 +29,7 @@ from ftsystem.training.integrity import Integrity
 from ftsystem.training.local_state import LocalState
 from ftsystem.training.replica_group import ReplicaGroup, Verdict
 from ftsystem.training.runtime import ControlPlane, ReplicaContext
+from ftsystem.training.update_log import LoggedUpdate
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05

@@ -20,7 +20,6 @@ from torch import nn
 from ftsystem.chaos.faults import FaultSchedule, InjectedFault
 from ftsystem.control.timeouts import StragglerBound
 from ftsystem.measure import metrics
-from ftsystem.training.catchup import UpdateLog
 from ftsystem.training.ftar import (CollectiveFailed, EpochChanged, FaultTolerantAllReduce,
                                     Stragglers)
 from ftsystem.training.overlap import GradientProducedTwice, OverlapInvalid, OverlappedGradSum
@@ -29,6 +28,7 @@ from ftsystem.training.runtime import ControlPlane, ReplicaContext
 from ftsystem.training.settings import ENV_OVERLAP
 from ftsystem.training.flat import FlatLayout
 from ftsystem.training.shards import local
+from ftsystem.training.update_log import UpdateLog
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A joining replica's way in: the warm-up step, then catch-up from a donor while the others
-train (``ftsystem.training.catchup`` serves it).
+train, through a ``ftsystem.training.transport.StateTransport``.
 
 The joiner loads a donor's snapshot and replays the donor's logged updates until it is within
 :data:`READY_LAG` steps of the donor's head; the epoch it then enters sends it the rest. A
@@ -19,14 +19,13 @@ from concurrent.futures import Future
 
 from ftsystem.control import keys
 from ftsystem.measure import metrics
-from ftsystem.training.catchup import (DonorUnavailableError, Snapshot, fetch_head, fetch_log,
-                                       fetch_snapshot, receiving_buffers, tensor_places)
 from ftsystem.training.local_state import LocalState
 from ftsystem.training.replica_group import ReplicaGroup
 from ftsystem.training.runtime import ControlPlane, ReplicaContext
 from ftsystem.training.settings import ReplicaSettings
 from ftsystem.training.shards import local_state
-from ftsystem.training.state_access import Credentials
+from ftsystem.training.transport import DonorUnavailableError, Snapshot, StateTransport
+from ftsystem.training.wire import receiving_buffers, tensor_places
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05
@@ -45,13 +44,13 @@ def new_catchup_stats() -> dict:
 
 
 class Joiner:
-    """Catch-up for one rank of a joining replica."""
+    """Catch-up for one rank of a joining replica, from its donors through ``transport``."""
 
     def __init__(self, ctx: ReplicaContext, control: ControlPlane, replica: ReplicaGroup,
-                 state: LocalState, credentials: Credentials,
+                 state: LocalState, transport: StateTransport,
                  settings: ReplicaSettings) -> None:
         self.ctx, self.control, self.replica, self.state = ctx, control, replica, state
-        self._credentials, self._settings = credentials, settings
+        self._transport, self._settings = transport, settings
         self.stats: dict = {}
         self._labels = (ctx.job, ctx.replica_id)
         self._reported = 0.0
@@ -97,9 +96,8 @@ class Joiner:
         if donor is None:
             return None, "", None
         try:
-            return donor, addr, fetch_snapshot(
-                addr, self.ctx.timeout_s, credentials=self._credentials,
-                into=lambda layout: receiving_buffers({}, layout),
+            return donor, addr, self._transport.fetch_snapshot(
+                addr, into=lambda layout: receiving_buffers({}, layout),
                 on_progress=self.report)
         except DonorUnavailableError as e:
             log.warning("replica %s: no snapshot from donor %s during the warm-up (%s); "
@@ -145,9 +143,8 @@ class Joiner:
                         break
                     snapshots += 1
                     if snapshot is None:
-                        snapshot = fetch_snapshot(
-                            addr, self.ctx.timeout_s, credentials=self._credentials,
-                            into=self._receiving_tensors, on_progress=self.report)
+                        snapshot = self._transport.fetch_snapshot(
+                            addr, into=self._receiving_tensors, on_progress=self.report)
                     else:
                         stats["prefetched"] = True
                     self.state.load(snapshot.state, source=donor)
@@ -186,17 +183,16 @@ class Joiner:
         try:
             if donor is not None:
                 stats["donors"].append(donor)
-                head = fetch_head(addr, self.ctx.timeout_s, credentials=self._credentials)
+                head = self._transport.fetch_head(addr)
         except DonorUnavailableError as e:
             log.warning("replica %s rank %d: donor %s failed (%s)", self.ctx.replica_id,
                         self.ctx.rank, donor, e)
         target = self.replica.max(head) + SNAPSHOT_LEAD  # every rank, whatever happened
         try:
             if head >= 0:
-                snapshot = fetch_snapshot(addr, self.ctx.timeout_s, at_step=target,
-                                          credentials=self._credentials,
-                                          into=self._receiving_tensors,
-                                          on_progress=self.report)
+                snapshot = self._transport.fetch_snapshot(addr, at_step=target,
+                                                          into=self._receiving_tensors,
+                                                          on_progress=self.report)
                 step, state, stats["bytes"] = snapshot.step, snapshot.state, snapshot.nbytes
                 stats.update(snapshot.stats())
         except DonorUnavailableError as e:
@@ -270,8 +266,7 @@ class Joiner:
         they do not reach back to our step (or we have no state from this job yet)."""
         if self.state.fresh:
             return None
-        fetched = fetch_log(addr, self.state.step, self.ctx.timeout_s,
-                            credentials=self._credentials)
+        fetched = self._transport.fetch_log(addr, self.state.step)
         if fetched is None:
             return None
         updates, head, nbytes = fetched

@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from ftsystem.training import carriable
-from ftsystem.training.catchup import LoggedUpdate, Snapshotter, UpdateLog
 from ftsystem.training.fingerprint import GENESIS, chain_next, state_digest
 from ftsystem.training.replicated import ReplicatedObjects
 from ftsystem.training.flat import FlatLayout, release_grads
 from ftsystem.training.shards import load_local_state, local, local_state
+from ftsystem.training.snapshot import Snapshotter
+from ftsystem.training.update_log import LoggedUpdate, UpdateLog
 
 log = logging.getLogger(__name__)
 

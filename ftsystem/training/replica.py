@@ -51,12 +51,12 @@ from ftsystem.control.membership import ReplicaState
 from ftsystem.control.timeouts import StragglerBound, Timeouts
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
-from ftsystem.training.catchup import StateServer, UpdateLog
 from ftsystem.training.checkpoint import Checkpointer, TrainingState
 from ftsystem.training.end_of_job import needs_donor, registrations_of, replicas_to_serve
 from ftsystem.training.epoch_entry import Entered, EpochEntry, ReplicaEvictedError
 from ftsystem.training.ftar import FaultTolerantAllReduce
 from ftsystem.training.gradient_sum import GradientSum, overlap_by_default, vote
+from ftsystem.training.http_transport import HTTPTransport, StateServer
 from ftsystem.training.integrity import DivergenceError, Integrity
 from ftsystem.training.joiner import Joiner
 from ftsystem.training.local_state import LocalState
@@ -68,6 +68,7 @@ from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
 from ftsystem.training.settings import ENV_LOG_BUDGET, ReplicaSettings
 from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
 from ftsystem.training.state_access import replica_access
+from ftsystem.training.update_log import UpdateLog
 
 __all__ = ["FTReplica", "ReplicaEvictedError", "DivergenceError"]
 log = logging.getLogger(__name__)
@@ -161,8 +162,8 @@ class FTReplica:
             vote=lambda error, epoch, replaced: vote(self.replica, error, epoch, replaced),
             after_failed_vote=lambda verdict, error: self.gradients.after_failed_vote(
                 verdict, error, self.state.step))
-        self.joiner = Joiner(self.ctx, self.control, self.replica, self.state, credentials,
-                             self.settings)
+        self.joiner = Joiner(self.ctx, self.control, self.replica, self.state,
+                             HTTPTransport(self.ctx.timeout_s, credentials), self.settings)
         self.state_server = StateServer(
             self.ctx.host, self.snapshotter, self.update_log, lambda: self.state.step,
             self.ctx.timeout_s, access=access,

@@ -36,9 +36,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ftsystem.training import carriable
-from ftsystem.training.catchup import map_tensors
 from ftsystem.training.data import Passes, why_not_resumable
 from ftsystem.training.fingerprint import state_digest
+from ftsystem.training.wire import map_tensors
 
 AdvancedBy = Literal["step", "loop"]
 RESERVED = ("model", "optim", "hyper", "step", "objects", "carry", "chain")

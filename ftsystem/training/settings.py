@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from ftsystem.training.catchup import DEFAULT_LOG_BUDGET_BYTES
 from ftsystem.training.overlap import DEFAULT_BUCKET_CAP_BYTES
 from ftsystem.training.runtime import ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_EVERY, ENV_CHECKPOINT_KEEP
+from ftsystem.training.update_log import DEFAULT_LOG_BUDGET_BYTES
 
 ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
 """Bytes of averaged gradients a donor keeps for joiners (its update log's budget)."""

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from ftsystem.training.catchup import map_tensors
+from ftsystem.training.wire import map_tensors
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
 
     Gradients are dropped: they belonged to the state being replaced. The layouts must match,
     which holds between replicas of one job. A tensor received into its destination
-    (``catchup.decode_state``) is not copied again: ``copy_`` from itself does nothing.
+    (``wire.decode_state``) is not copied again: ``copy_`` from itself does nothing.
     """
     optimizer.zero_grad(set_to_none=True)  # also lets DCP initialize a fresh optimizer below
     if not state["optim"]:

@@ -1,11 +1,11 @@
 """Who may read a donor's state: holders of the job's token that are members or its joiners.
 
-A replica's state server (``ftsystem.training.catchup.StateServer``) hands out its weights and
-optimizer state. Every request must carry the job's token (``Authorization: Bearer``; 401
-otherwise) and name the fetching replica (``X-Ftsystem-Replica``). A snapshot or the update
-log goes only to a replica that is a member of the current epoch or that the leader assigned
-to this donor (``catchup/<rid>``); anyone else gets 403. ``/status`` (steps and byte counts)
-needs the token only.
+A replica's state server (``ftsystem.training.http_transport.StateServer``) hands out its
+weights and optimizer state. Every request must carry the job's token
+(``Authorization: Bearer``; 401 otherwise) and name the fetching replica
+(``X-Ftsystem-Replica``). A snapshot or the update log goes only to a replica that is a member
+of the current epoch or that the leader assigned to this donor (``catchup/<rid>``); anyone
+else gets 403. ``/status`` (steps and byte counts) needs the token only.
 
 The check is cheap: the epoch is the one the replica's control plane already follows; the
 assignment is read from etcd only for a fetcher that is not a member, and a grant is then
