@@ -18,7 +18,9 @@ from ftsystem.control import keys
 from ftsystem.training.http_transport import HTTPTransport, StateServer
 from ftsystem.training.snapshot import Snapshotter
 from ftsystem.training.transport import DonorUnavailableError
-from ftsystem.training.update_log import KEEP_MIN_ENTRIES, LoggedUpdate, UpdateLog
+from ftsystem.training.settings import ReplicaSettings
+from ftsystem.training.update_log import (KEEP_MIN_ENTRIES, LoggedUpdate, UpdateLog,
+                                          log_on_host)
 from ftsystem.training.wire import (decode_state, encode_state, receiving_buffers, tensor_places,
                                     tree_tensors)
 from ftsystem.training.entry_plan import join_step_absentees
@@ -60,6 +62,55 @@ def test_update_log_never_holds_more_than_its_budget():
     tiny.append(1, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))
     assert tiny.oldest() is None and tiny.nbytes == 0
     assert tiny.recycle(256, torch.float32) is not None  # the dropped buffer is reused
+
+
+def test_update_log_memory_follows_its_budget():
+    # Entries of 1 KiB, a budget of 2.5 KiB, a joiner reading (the log keeps all it can):
+    # entries and the buffers kept for reuse stay within the budget, beyond it only the one
+    # buffer the next step's average needs anyway.
+    log = UpdateLog(budget_bytes=2560)
+    log.session_active = True
+    for step in range(1, 30):
+        log.append(step, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))
+        assert log.held_bytes <= 2560 + 1024
+    assert log.nbytes == 2048 and log.held_bytes == 3072
+
+
+def test_an_entry_over_the_budget_empties_the_log_without_a_gap():
+    log = UpdateLog(budget_bytes=2048)
+    for step in (1, 2):
+        log.append(step, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))
+    # A larger carry makes step 3 too big: keeping 1 and 2 would leave a log with a gap.
+    log.append(3, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS,
+                               carry=b"x" * 2048))
+    assert log.entries() == [] and log.since(0) == []
+    log.append(4, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))
+    assert log.since(0) is None and [s for s, _ in log.since(3)] == [4]
+
+
+def test_a_recycled_buffer_is_on_the_device_asked_for():
+    log = UpdateLog(budget_bytes=100)
+    log.append(1, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))
+    assert log.recycle(256, torch.float32, torch.device("cuda", 0)) is None
+    assert log.recycle(256, torch.float64) is None
+    assert log.recycle(256, torch.float32, torch.device("cpu")) is not None
+
+
+@pytest.mark.parametrize("place, budget, free, on_host", [
+    ("auto", 1 << 30, None, False),       # host gradients: the log is on the host anyway
+    ("auto", 1 << 30, 80 << 30, False),   # a quarter of the free memory is 20 GiB
+    ("auto", 30 << 30, 80 << 30, True),   # the budget would take over a quarter of it
+    ("device", 30 << 30, 80 << 30, False),
+    ("host", 1 << 20, 80 << 30, True),
+])
+def test_the_log_goes_to_the_host_when_the_device_is_short(place, budget, free, on_host):
+    assert log_on_host(place, budget, free) is on_host
+
+
+def test_a_bad_log_place_is_refused_with_its_variable():
+    with pytest.raises(ValueError, match="FTSYSTEM_CATCHUP_LOG_PLACE='gpu'"):
+        ReplicaSettings.from_env({"FTSYSTEM_CATCHUP_LOG_PLACE": "gpu"})
+    assert ReplicaSettings.from_env({"FTSYSTEM_CATCHUP_LOG_PLACE": "host"}).log_place == "host"
 
 
 def _served_state() -> dict:

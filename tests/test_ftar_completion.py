@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce, device_arrival
+from ftsystem.training.ftar import (CollectiveFailed, DeviceWedged, EpochChanged,
+                                   FaultTolerantAllReduce, device_arrival)
 from ftsystem.control.membership import Epoch
 
 DATA_DELAY_S = 0.2
@@ -108,3 +109,45 @@ def test_the_cpu_path_trusts_the_future_and_asks_nothing():
     assert not group.written.is_set() and torch.equal(tensor, torch.ones(4))
     assert group.asked == 0
     group.written.wait()
+
+
+class HungAbort(QueuedGroup):
+    """A group whose abort blocks until released: ``ncclCommAbort`` of a wedged communicator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def abort(self, errored: bool = True) -> None:
+        self.released.wait()
+        super().abort(errored)
+
+
+def test_a_hung_abort_after_an_unfinished_collective_stops_the_next_epoch():
+    # The device's streams wait behind the unfinished collective until its group's abort
+    # returns: the next epoch must not queue work (or block in a host copy) behind it.
+    group = HungAbort()
+    ftar = ftar_on(group)
+    ftar.timeout_s = 0.3
+    ftar.data_arrival = lambda: lambda: False  # the data never arrives
+    future = ftar.allreduce_sum_async(torch.ones(4))
+    ftar.control.epoch = Epoch(number=2, members=("r0",))
+    with pytest.raises(EpochChanged):
+        ftar.wait(future)
+    ftar.abort()
+    with pytest.raises(DeviceWedged, match="did not return within"):
+        ftar._await_wedging_aborts()
+    group.released.set()
+    ftar._await_wedging_aborts()  # returned: the next epoch goes on
+    group.written.wait()
+
+
+def test_the_abort_of_a_group_whose_collectives_finished_is_not_waited_for():
+    group = HungAbort()
+    ftar = ftar_on(group)
+    ftar.allreduce_sum(torch.ones(4))
+    ftar.abort()
+    started = time.monotonic()
+    ftar._await_wedging_aborts()
+    assert time.monotonic() - started < 0.1 and not group.released.is_set()
+    group.released.set()

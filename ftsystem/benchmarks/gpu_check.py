@@ -20,6 +20,12 @@ communicator, so the checks are:
   returns, without a synchronize), and an abort of the group after the future (what torchft's
   timeout does) fails the wait with ``CollectiveFailed``. It runs in a process of its own:
   an aborted communicator can leave a broken CUDA context behind.
+- ``ftar_wait_beside_copy``: FTAR's wait for a small all-reduce while a 2 GB snapshot copy runs
+  on a side stream returns without waiting for the copy (torchft's ``errored()``, timed beside
+  it, synchronizes the calling thread's current stream, not the side one);
+- ``pinned_memory_released``: the pinned memory of a snapshot copy goes back once it is freed;
+- ``update_log_on_host``: the update log on the host copies GPU averages on a side stream,
+  exactly.
 
 Each check records ok, seconds and details; the JSON also states the machine. ``--checks``
 runs some of them (to rerun one within a short loan of a GPU).
@@ -141,6 +147,7 @@ def _one_member_epoch(number: int, store: dist.TCPStore) -> Epoch:
 
 
 def check_ftar_nccl_single_rank() -> dict:
+    from torchft.process_group import ProcessGroupNCCL
     ftar, control, store = _one_member_ftar(timeout_s=60)
     times, ok = [], True
     for number in (1, 2):  # the second configure aborts the first epoch's group
@@ -151,7 +158,7 @@ def check_ftar_nccl_single_rank() -> dict:
         ftar.allreduce_sum(tensor)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-        ok = ok and type(ftar._pg).__name__ == "ProcessGroupNCCL" and bool(torch.all(tensor == 2))
+        ok = ok and isinstance(ftar._pg, ProcessGroupNCCL) and bool(torch.all(tensor == 2))
     ftar.shutdown()
     return {"ok": ok, "configure_allreduce_s": times}
 
@@ -226,10 +233,104 @@ def check_ftar_nccl_wait() -> dict:
     return _in_child(_ftar_nccl_wait)
 
 
+def _side_copy(nbytes: int) -> tuple[torch.cuda.Stream, dict]:
+    """Queue a device-to-host copy of ``nbytes`` on a side stream (a donor's snapshot)."""
+    source = torch.randn(nbytes // 4, device=local_device())
+    host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        host.copy_(source, non_blocking=True)
+    return side, {"source": source, "host": host}
+
+
+def _ftar_wait_beside_copy(result) -> None:
+    """``check_ftar_wait_beside_copy``'s body, in its own process."""
+    from torchft.process_group import ProcessGroupNCCL
+    ftar, control, _store = _one_member_ftar(timeout_s=60)
+    ftar.configure(control.epoch)
+    tensor = torch.full((1 << 20,), 2.0, device=ftar.device)
+    ftar.allreduce_sum(tensor)  # warm: the communicator's first collective sets it up
+    torch.cuda.synchronize()
+    side, keep = _side_copy(SNAPSHOT_BYTES)
+    started = time.perf_counter()
+    ftar.allreduce_sum(tensor)
+    result["ftar_wait_s"] = time.perf_counter() - started
+    result["copy_still_running_at_return"] = not side.query()
+    side.synchronize()
+    result["copy_s"] = time.perf_counter() - started
+    side, keep = _side_copy(SNAPSHOT_BYTES)
+    started = time.perf_counter()
+    ProcessGroupNCCL.errored(ftar._pg)  # torchft's own: synchronizes the device
+    result["torchft_errored_s"] = time.perf_counter() - started
+    result["torchft_errored_waited_for_copy"] = side.query()
+    del keep
+    ftar.shutdown()
+    result["ok"] = result["copy_still_running_at_return"] and bool(torch.all(tensor == 2.0))
+
+
+def check_ftar_wait_beside_copy() -> dict:
+    """FTAR's wait for a small all-reduce while a 2 GB snapshot copy runs on a side stream:
+    it returns once its own data is there, without waiting for the copy. torchft's
+    ``errored()`` is timed beside it: it synchronizes the current stream only."""
+    return _in_child(_ftar_wait_beside_copy)
+
+
+def _host_reserved() -> int:
+    """Pinned bytes the host allocator holds from CUDA, in use or cached."""
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def check_pinned_memory_released() -> dict:
+    """A donor's snapshot copy is pinned host memory: once the snapshot is freed, the host
+    allocator's cache gives it back."""
+    from ftsystem.training.snapshot import Snapshotter
+    state = {"w": torch.randn(SNAPSHOT_BYTES // 4 // 4, device=local_device())}
+    snapshotter = Snapshotter(lambda: state)
+    before = _host_reserved()
+    snapshotter.request()
+    snapshotter.after_commit(1)
+    snapshotter.before_mutation()  # waits for the copy
+    held = _host_reserved()
+    snapshotter.free()
+    after = _host_reserved()
+    nbytes = SNAPSHOT_BYTES // 4
+    stats = {k: v for k, v in torch.cuda.host_memory_stats().items() if k.endswith("current")}
+    return {"ok": held - before >= nbytes and after - before < nbytes // 2,
+            "host_memory_stats_after_free": stats, "snapshot_bytes": nbytes, "reserved_before": before, "reserved_with_snapshot": held,
+            "reserved_after_free": after}
+
+
+def check_update_log_on_host() -> dict:
+    """The update log on the host: an appended GPU average is copied to pinned memory on a
+    thread and a side stream of their own (append returns at once), exactly."""
+    from ftsystem.training.fingerprint import GENESIS
+    from ftsystem.training.update_log import LoggedUpdate, UpdateLog
+    log = UpdateLog(budget_bytes=4 * SNAPSHOT_BYTES, on_host=True)
+    grads = [torch.randn(SNAPSHOT_BYTES // 4 // 4, device=local_device()) for _ in range(3)]
+    torch.cuda.synchronize()
+    appends = []
+    for step, grad in enumerate(grads, start=1):
+        started = time.perf_counter()
+        log.append(step, LoggedUpdate(grad, GENESIS, GENESIS))
+        appends.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    log.wait_for_copies()
+    read_s = time.perf_counter() - started
+    entries = log.entries()
+    exact = all(torch.equal(u.grad, g.cpu()) for (_, u), g in zip(entries, grads))
+    on_host = all(not u.grad.is_cuda and u.grad.is_pinned() for _, u in entries)
+    return {"ok": exact and on_host and len(entries) == 3, "exact": exact, "pinned": on_host,
+            "append_s": appends, "copies_done_s_after_last_append": read_s, "entry_bytes": SNAPSHOT_BYTES // 4}
+
+
 CHECKS = {"snapshot_copy": check_snapshot_copy, "nccl_single_rank": check_nccl_single_rank,
           "gloo_cuda_two_replicas": check_gloo_cuda_two_replicas,
           "ftar_nccl_single_rank": check_ftar_nccl_single_rank,
-          "ftar_nccl_wait": check_ftar_nccl_wait}
+          "ftar_nccl_wait": check_ftar_nccl_wait,
+          "ftar_wait_beside_copy": check_ftar_wait_beside_copy,
+          "pinned_memory_released": check_pinned_memory_released,
+          "update_log_on_host": check_update_log_on_host}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,7 +258,8 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
               "train_loss": loss,
               "eval_loss": evaluated, "shard_hashes": shard_hashes,
               "state_hash": hashlib.sha256("".join(shard_hashes).encode()).hexdigest(),
-              "num_params": num_params(model)}
+              "num_params": num_params(model),
+              "device": str(next(model.parameters()).device)}
     write_once(args.out / f"{ft.ctx.replica_id}.json", result)
 
 

@@ -60,3 +60,11 @@ def use_device(device: torch.device | None) -> None:
 def cuda_device_of(tensors: Iterable[torch.Tensor]) -> torch.device | None:
     """The GPU of the first CUDA tensor among ``tensors``; None when there is none."""
     return next((t.device for t in tensors if t.is_cuda), None)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device`` if it is a GPU; None for the host."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free

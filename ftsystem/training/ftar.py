@@ -84,10 +84,49 @@ class Stragglers(CollectiveFailed):
         self.late = late
 
 
-def process_group_for(device: torch.device, timeout_s: float) -> ProcessGroupWrapper:
-    """A new reconfigurable group for tensors on ``device``: NCCL for CUDA, Gloo for CPU."""
+class DeviceWedged(RuntimeError):
+    """The abort of a group whose collective never finished did not return within the
+    timeout: the GPU's streams may stay blocked behind that collective, so the next epoch
+    cannot use the device. The process must restart (its agent restarts it)."""
+
+
+class NCCLGroup(ProcessGroupNCCL):
+    """torchft's reconfigurable NCCL group, whose error report does not block.
+
+    torchft's ``errored()`` synchronizes the calling thread's current stream before it reads
+    the error an abort set. FTAR asks only after its own event on that stream said the
+    collective's data arrived, so the synchronize adds nothing there; but it blocks in CUDA,
+    where no epoch or timeout can interrupt it (behind a collective that never finishes), and
+    on a thread whose current device is not the rank's it waits on (and makes a context on)
+    another GPU. The error is the one an abort records, set before the abort unblocks the
+    stream; configuring the group clears it, as torchft's does.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        super().__init__(timeout)
+        self.abort_error: Exception | None = None
+
+    def configure(self, *args, **kwargs) -> None:
+        super().configure(*args, **kwargs)  # aborts the communicator it replaces first
+        self.abort_error = None
+
+    def abort(self, errored: bool = True) -> None:
+        self.abort_error = RuntimeError("aborted (a timeout or an epoch change)")
+        super().abort(errored=errored)
+
+    def errored(self) -> Exception | None:
+        return self.abort_error
+
+
+def process_group_for(device: torch.device, timeout_s: float,
+                      backend: str | None = None) -> ProcessGroupWrapper:
+    """A new reconfigurable group for tensors on ``device``: NCCL for CUDA, Gloo for CPU, or
+    ``backend`` (``gloo`` moves CUDA tensors too, through host memory: replicas that share
+    one GPU cannot form an NCCL group)."""
     timeout = timedelta(seconds=timeout_s)
-    return ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+    if (backend or ("nccl" if device.type == "cuda" else "gloo")) == "nccl":
+        return NCCLGroup(timeout)
+    return ProcessGroupGloo(timeout)
 
 
 def device_arrival(device: torch.device) -> Arrival | None:
@@ -157,8 +196,10 @@ class FaultTolerantAllReduce:
     """The cross-replica group of one shard index, rebuilt for every epoch."""
 
     def __init__(self, control: ControlPlane, *, shard_index: int = 0, timeout_s: float,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), backend: str | None = None) -> None:
         self.control = control
+        self.backend = backend
+        """None: NCCL for CUDA tensors, Gloo for CPU ones (:func:`process_group_for`)."""
         self.shard_index = shard_index
         self.timeout_s = timeout_s
         self.device = with_index(device)
@@ -173,6 +214,11 @@ class FaultTolerantAllReduce:
         """(step, bound) while this member waits at that step's all-reduce."""
         self._beats: _Beats | None = None
         self._aborting: list[threading.Thread] = []
+        self._wedging: list[threading.Thread] = []
+        """Aborts of groups left with a CUDA collective whose data never arrived: the device's
+        streams wait behind it until the abort returns (see :meth:`_await_wedging_aborts`)."""
+        self._unfinished = False
+        """A wait for a CUDA collective's data was interrupted in the current group."""
         self._lock = threading.Lock()
         self._builds: dict[int, _Build] = {}
         """Groups of epochs being built, or built and not yet used, by epoch number."""
@@ -218,6 +264,7 @@ class FaultTolerantAllReduce:
         for stale in older:
             self._abandon(stale)
         self.abort()
+        self._await_wedging_aborts()
         self._pg, self._arrivals, self.epoch = build.pg, build.arrivals, epoch
         if build.beats is not None:
             self._beats = _Beats(build.beats, self.rank)
@@ -252,7 +299,7 @@ class FaultTolerantAllReduce:
         addr = f"{epoch.store_addr}/ftsystem/{ctx.job}/epoch/{epoch.number}/shard/{self.shard_index}"
         try:
             self._barrier(addr, rank, world, epoch)
-            pg = process_group_for(self.device, self.timeout_s)
+            pg = process_group_for(self.device, self.timeout_s, self.backend)
             use_device(self.device)  # NCCL binds its communicator to the current device
             try:
                 pg.configure(addr, ctx.replica_id, rank, world)
@@ -436,13 +483,33 @@ class FaultTolerantAllReduce:
             self._beats = None
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            self._abort_in_background(pg)
+            aborting = self._abort_in_background(pg)
+            if self._unfinished:
+                self._wedging.append(aborting)
+            self._unfinished = False
 
-    def _abort_in_background(self, pg: ProcessGroupWrapper) -> None:
+    def _abort_in_background(self, pg: ProcessGroupWrapper) -> threading.Thread:
         aborting = threading.Thread(target=self._abort_group, args=(pg,), daemon=True,
                                     name="ftar-abort")
         aborting.start()
         self._aborting = [t for t in self._aborting if t.is_alive()] + [aborting]
+        return aborting
+
+    def _await_wedging_aborts(self) -> None:
+        """Before a new group is used: wait for the aborts of groups left with an unfinished
+        CUDA collective. Until such an abort returns, the training stream waits behind that
+        collective, and the new epoch's first host copy would block in CUDA, where no epoch
+        or timeout can interrupt it. An abort that does not return within the timeout leaves
+        the device unusable: :class:`DeviceWedged` (the process restarts)."""
+        deadline = time.monotonic() + self.timeout_s
+        for thread in self._wedging:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._wedging = [t for t in self._wedging if t.is_alive()]
+        if self._wedging:
+            raise DeviceWedged(
+                f"the abort of a group with an unfinished collective did not return within "
+                f"{self.timeout_s:.0f} s (FTSYSTEM_TIMEOUT_S): the device's streams are blocked "
+                "behind it; restarting the process")
 
     def _abort_group(self, pg: ProcessGroupWrapper) -> None:
         use_device(self.device)  # not cuda:0, where it would make a CUDA context of its own
@@ -491,7 +558,9 @@ class FaultTolerantAllReduce:
         issued it whether it failed meanwhile (NCCL reports errors asynchronously; a timed-out
         collective is aborted, which also lets the stream, and so this wait, go on)."""
         arrived = self.data_arrival()
+        self._unfinished = True  # until the data is there: see abort()
         self._wait(lambda: arrived() or time.sleep(DEVICE_POLL_S), self.epoch)
+        self._unfinished = False
         group = self._issued_on.get(future)
         error = RuntimeError("issued on no group of this FTAR") if group is None \
             else group.errored()

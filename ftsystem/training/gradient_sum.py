@@ -139,10 +139,14 @@ class GradientSum:
         # A fresh buffer per attempt (an abandoned one may still be written into); the
         # gradients themselves stay untouched until the commit, so a retry reuses them.
         out, self._spare = self._spare, None
-        buf = self._layout.pack(out if out is not None else
-                                self._update_log.recycle(self._layout.numel, self._layout.dtype))
+        buf = self._layout.pack(out if out is not None else self._recycled())
         self.ftar.allreduce_sum(buf, on_issued=lambda: self.faults.check(step, "allreduce"))
         return buf
+
+    def _recycled(self) -> torch.Tensor | None:
+        """A buffer for a step's average that the update log dropped, if one is free."""
+        return self._update_log.recycle(self._layout.numel, self._layout.dtype,
+                                        self._layout.device)
 
     def _sum_overlapped(self, step: int) -> torch.Tensor:
         """Wait for the buckets that backward sent (and send those it could not)."""
@@ -166,7 +170,7 @@ class GradientSum:
         """
         if self._overlap is None or self._summed_in != self.ftar.epoch.number:
             return
-        buf = self._update_log.recycle(self._layout.numel, self._layout.dtype)
+        buf = self._recycled()
         self._overlap.arm(buf if buf is not None else self._layout.empty(),
                           self.ftar.allreduce_sum_async)
         self._armed = True

@@ -65,10 +65,11 @@ from ftsystem.training.phase import Lifecycle, Phase
 from ftsystem.training.replica_group import ReplicaGroup
 from ftsystem.training.replicated import AdvancedBy, Batches, ReplicatedObjects, Stateful
 from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
-from ftsystem.training.settings import ENV_LOG_BUDGET, ReplicaSettings
+from ftsystem.training.settings import ENV_LOG_BUDGET, ENV_LOG_PLACE, ReplicaSettings
+from ftsystem.training.devices import free_memory
 from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
 from ftsystem.training.state_access import replica_access
-from ftsystem.training.update_log import UpdateLog
+from ftsystem.training.update_log import UpdateLog, log_on_host
 
 __all__ = ["FTReplica", "ReplicaEvictedError", "DivergenceError"]
 log = logging.getLogger(__name__)
@@ -131,12 +132,14 @@ class FTReplica:
         layout = FlatLayout(params, forward_buffers(model))
         device = layout.device
         self.objects = ReplicatedObjects()
-        self.update_log = UpdateLog(self.settings.log_budget_bytes)
+        self.update_log = UpdateLog(self.settings.log_budget_bytes, on_host=log_on_host(
+            self.settings.log_place, self.settings.log_budget_bytes, free_memory(device)))
         self.state = LocalState(self.ctx.replica_id, model, optimizer, layout, self.objects,
                                 step_fn, self.update_log, self.heartbeat.beat)
         self.snapshotter = self.state.snapshotter
         self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.rank,
-                                           timeout_s=self.ctx.timeout_s, device=device)
+                                           timeout_s=self.ctx.timeout_s, device=device,
+                                           backend=self.settings.backend)
         self._step_times: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
         if overlap is None:
             overlap = overlap_by_default(params, self.settings.bucket_bytes,
@@ -154,6 +157,10 @@ class FTReplica:
                 "receives the whole state at the epoch's entry while the others wait. Raise "
                 "the budget to keep a window of steps", self.ctx.replica_id, entry_bytes / 1e9,
                 ENV_LOG_BUDGET, self.settings.log_budget_bytes)
+        if self.update_log.on_host:
+            log.info("replica %s: the update log keeps host copies of its GPU's averaged "
+                     "gradients (budget %.2f GB, %s)", self.ctx.replica_id,
+                     self.settings.log_budget_bytes / 1e9, ENV_LOG_PLACE)
         self.integrity = Integrity(self.ctx, self.control, self.replica, self.ftar, self.state,
                                    self.settings.fingerprint_every, device)
         self.entry = EpochEntry(

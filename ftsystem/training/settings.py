@@ -12,10 +12,18 @@ from typing import Mapping
 
 from ftsystem.training.overlap import DEFAULT_BUCKET_CAP_BYTES
 from ftsystem.training.runtime import ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_EVERY, ENV_CHECKPOINT_KEEP
-from ftsystem.training.update_log import DEFAULT_LOG_BUDGET_BYTES
+from ftsystem.training.update_log import DEFAULT_LOG_BUDGET_BYTES, PLACES
 
 ENV_LOG_BUDGET = "FTSYSTEM_CATCHUP_LOG_BYTES"
 """Bytes of averaged gradients a donor keeps for joiners (its update log's budget)."""
+ENV_LOG_PLACE = "FTSYSTEM_CATCHUP_LOG_PLACE"
+"""Where the update log of GPU gradients lives: ``auto`` (default: on the host when the budget
+is over a quarter of the GPU's free memory at start), ``device`` or ``host``."""
+ENV_BACKEND = "FTSYSTEM_FTAR_BACKEND"
+"""The backend of the cross-replica groups: unset, NCCL for GPU gradients and Gloo for CPU ones;
+``gloo`` moves GPU gradients through host memory (replicas that share one GPU, as in tests,
+cannot form an NCCL group)."""
+BACKENDS = ("nccl", "gloo")
 ENV_CATCHUP_MODE = "FTSYSTEM_CATCHUP"
 """``nonblocking`` (default): catch up from a donor while the others train; ``blocking``:
 join at once and receive the whole state in the epoch's sync (the members wait for it)."""
@@ -69,6 +77,8 @@ class CheckpointSettings:
 class ReplicaSettings:
     fingerprint_every: int = DEFAULT_FINGERPRINT_EVERY
     log_budget_bytes: int = DEFAULT_LOG_BUDGET_BYTES
+    log_place: str = "auto"
+    backend: str | None = None
     blocking_catchup: bool = False
     overlap: bool | None = None
     """None: decided from the gradients' size and device."""
@@ -85,10 +95,18 @@ class ReplicaSettings:
         if mode not in ("nonblocking", "blocking"):
             raise ValueError(f"{ENV_CATCHUP_MODE}={mode!r}: expected nonblocking or blocking")
         overlap = env.get(ENV_OVERLAP)
+        backend = env.get(ENV_BACKEND) or None
+        if backend not in (None, *BACKENDS):
+            raise ValueError(f"{ENV_BACKEND}={backend!r}: expected one of {', '.join(BACKENDS)}")
+        log_place = env.get(ENV_LOG_PLACE, "auto")
+        if log_place not in PLACES:
+            raise ValueError(f"{ENV_LOG_PLACE}={log_place!r}: expected one of {', '.join(PLACES)}")
         directory = env.get(ENV_CHECKPOINT_DIR)
         return cls(
             fingerprint_every=env_int(env, ENV_FINGERPRINT_EVERY, DEFAULT_FINGERPRINT_EVERY),
             log_budget_bytes=env_int(env, ENV_LOG_BUDGET, DEFAULT_LOG_BUDGET_BYTES),
+            log_place=log_place,
+            backend=backend,
             blocking_catchup=mode == "blocking",
             overlap=None if overlap is None else overlap != "0",
             bucket_bytes=env_int(env, ENV_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES),

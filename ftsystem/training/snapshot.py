@@ -34,6 +34,7 @@ class Snapshotter:
         self._copying: threading.Thread | None = None
         self._encoded: EncodedState | None = None
         self._live: EncodedState | None = None  # served from the state's own memory
+        self._copied_to_host = False  # a snapshot was copied into pinned memory
         self.step = -1  # step of the snapshot being served, -1: none
         self.layout: bytes | None = None  # state_layout() as of the first commit
 
@@ -80,6 +81,7 @@ class Snapshotter:
     def _copy(self, step: int, state: dict) -> None:
         # This thread starts on cuda:0: the copy's streams belong on the state's GPU.
         use_device(cuda_device_of(tree_tensors(state)))
+        self._copied_to_host = True
         encoded = encode_state(step, host_copy(state))
         with self._ready:
             self.step, self._encoded = step, encoded
@@ -100,6 +102,8 @@ class Snapshotter:
         """Stop serving the snapshot and release it (a transfer in flight keeps its copy)."""
         with self._ready:
             self.step, self._encoded = -1, None
+        if self._copied_to_host:
+            release_pinned_memory()
 
     def shutdown(self) -> None:
         self.free()
@@ -120,6 +124,17 @@ def host_copy(tree: Any) -> Any:
         copy = map_tensors(tree, _pinned_copy)
     side.synchronize()
     return copy
+
+
+def release_pinned_memory() -> None:
+    """Give back the pinned host memory no tensor holds any more. CUDA's host allocator keeps
+    every pinned block it made for reuse, so without this a donor keeps a whole copy of its
+    state pinned for the rest of the job after one catch-up. Blocks a transfer still sends
+    from stay (the session's end frees the snapshot again once they are done)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None)
+    if empty is None:  # an older torch
+        empty = torch._C._host_emptyCache
+    empty()
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
