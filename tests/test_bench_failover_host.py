@@ -4,15 +4,16 @@ everything on it (its agent included), ftsystem only, and the JSON says what it 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 from typer.testing import CliRunner
 
 from ftsystem.cli import app
+from ftsystem.control.timeouts import Timeouts
 from ftsystem.launch.netns import netns_supported
 
 NETNS = netns_supported()  # None, or why namespaces cannot be made here
+TIMEOUT_S = 30.0  # the bench's default --timeout
 
 
 @pytest.mark.skipif(NETNS is not None, reason=str(NETNS))
@@ -31,7 +32,7 @@ def test_one_host_failure_is_measured_from_its_instant(tmp_path) -> None:
 
     assert data["scenario"] == "host" and data["nodes_per_replica"] == 1
     assert data["torchft"] is None and data["torchft_1s"] is None
-    assert data["setup"]["ftsystem_timeout_s"] == 30.0  # the default timeout
+    assert data["setup"]["ftsystem_timeout_s"] == TIMEOUT_S  # the default timeout
     assert data["setup"]["num_replicas"] == 2
     ours = data["ftsystem"]
     assert set(ours["stall_s"]) >= {"median", "max"}
@@ -42,11 +43,17 @@ def test_one_host_failure_is_measured_from_its_instant(tmp_path) -> None:
     # One failure measured, from the fault's instant, with a finite stall.
     assert ours["failures"] == 1
     stall = ours["stall_s"]["median"]
-    # A dead host costs the survivors less than the one timeout allows a silent peer.
-    assert stall is not None and math.isfinite(stall) and 0 <= stall < 30.0, stall
+    # A dead host costs the survivors about a second: the leader removes it once its replica
+    # lease has gone unrenewed for over a second (0.70 s median, 1.07 s max over 8 failures in
+    # bench/results/failover_host.json). Half the lease's TTL, 5 s, leaves 4 s for a busy CI
+    # machine; waiting for the lease to expire (10 s) or for the collective timeout (30 s) fails.
+    assert stall is not None and 0 <= stall < Timeouts(TIMEOUT_S).lease_ttl_s / 2, stall
     assert ours["per_failure_stall_s"] == [stall]
     # The victim came back and the run ended with every replica in the same state.
     assert ours["bitwise_identical"] and run["agents_ok"]
     assert any(f["replica"] == "r1" for f in run["replica_failures"])
-    assert data["targets"]["ftsystem_median_stall_at_most_2s"] in (True, False)
+    # The target reports the median it was measured on (here the one failure's stall).
+    assert data["targets"]["ftsystem_median_stall_at_most_2s"] == (stall <= 2.0), data["targets"]
     assert data["layouts"] == {}
+    assert run["system"] == "ftsystem_1" and run["spec"] == data["setup"]["spec"]
+    assert run["spec"]["steps"] == data["setup"]["steps"] == 40

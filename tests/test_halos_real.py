@@ -23,7 +23,6 @@ import torch
 
 import dataclasses
 import statistics
-import time
 
 from ftsystem.control import keys
 from ftsystem.halos import compare, shaping
@@ -32,7 +31,7 @@ from ftsystem.halos.gps import GlobalServer
 from ftsystem.halos.node import FINISHED_STATUS, Header, Node, pack, unpack
 from ftsystem.halos.real import Kill, check, node_command, parse_kill, prometheus_targets, summarize
 from ftsystem.halos.realconfig import GPS, RealConfig, speeds_of_regions
-from ftsystem.launch.netns import IFACE, HostNetwork
+from ftsystem.launch.netns import IFACE, HostNetwork, unique_network_name
 from ftsystem.training.runtime import ReplicaContext
 from ftsystem.control.store import Store
 
@@ -355,7 +354,7 @@ NO_SHAPING = shaping.unsupported()
 def test_tc_class_shapes_a_tcp_transfer_between_namespaces():
     """What the plan's commands do: 100 KB from one host to another at 800 kbit/s take 1 s."""
     size, bps = 100_000, 800_000.0
-    with HostNetwork(2, name=f"s{os.getpid() % 10000}") as net:
+    with HostNetwork(2, name=unique_network_name("s")) as net:
         a, b = net.hosts
         shaping.apply(a.name, IFACE, [(b.address, bps)])
         server = subprocess.Popen(b.wrap([sys.executable, "-c", RECEIVER, b.address,

@@ -12,9 +12,11 @@ Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2). ``netns_supported()`` says why
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import signal
 import subprocess
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -22,6 +24,12 @@ IFACE = "eth0"
 """The host's interface inside its namespace (the same name on every host)."""
 ENV_NETNS = "FTSYSTEM_NETNS"
 """Set to the namespace's name for programs started inside a host (the agent reads it)."""
+MAX_NAME = 8
+"""Longest network name: ``<name>-v<host>p`` must fit Linux's 15-byte interface names."""
+LINKS_GONE_TIMEOUT_S = 10.0
+"""How long ``HostNetwork.destroy()`` waits for the kernel to free its interfaces' names."""
+
+_networks = itertools.count()
 
 
 class NetnsError(RuntimeError):
@@ -52,6 +60,42 @@ def namespace_pids(name: str) -> list[int]:
     """Every process running in network namespace ``name``."""
     out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]
+
+
+def network_name(prefix: str, pid: int, serial: int) -> str:
+    """``prefix``, ``pid`` in base 36 and ``serial`` modulo 36: distinct for distinct pids and for
+    36 consecutive serials of one pid, and at most ``MAX_NAME`` characters for a prefix of two."""
+    name = f"{prefix}{_base36(pid)}{_base36(serial % 36)}"
+    if len(name) > MAX_NAME:
+        raise ValueError(f"network name {name!r} is longer than {MAX_NAME} characters: "
+                         f"shorten the prefix {prefix!r}")
+    return name
+
+
+def unique_network_name(prefix: str) -> str:
+    """A name for a new ``HostNetwork`` of this process, never the name of its previous one.
+
+    A network removes its namesakes' leftovers on entry, and a deleted namespace's veth pair can
+    outlive it for a while: with a name per run, a run neither kills another process's hosts nor
+    waits for the interfaces of the run before it.
+    """
+    return network_name(prefix, os.getpid(), next(_networks))
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = digits[n % 36]
+    while n := n // 36:
+        out = digits[n % 36] + out
+    return out
+
+
+def _interfaces() -> list[str]:
+    """The names of the interfaces in this process's namespace."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    # "226: ft-v1@if225: <BROADCAST,..." (a veth's name carries its peer's index after "@")
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()
+            if line.count(":") >= 2]
 
 
 def default_subnet(name: str) -> ipaddress.IPv4Network:
@@ -101,8 +145,8 @@ class HostNetwork:
     hosts: list[Host] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        if len(self.name) > 8:
-            raise ValueError(f"network name {self.name!r} is longer than 8 characters "
+        if len(self.name) > MAX_NAME:
+            raise ValueError(f"network name {self.name!r} is longer than {MAX_NAME} characters "
                              "(interface names are capped at 15 bytes)")
         self.subnet = self.subnet or default_subnet(self.name)
         if self.num_hosts + 2 > self.subnet.num_addresses:
@@ -152,7 +196,8 @@ class HostNetwork:
         _ip("link", "set", root_end, "up")
 
     def destroy(self) -> None:
-        """Remove the namespaces and the bridge (deleting a namespace deletes its veth pair)."""
+        """Remove the namespaces, their veth pairs and the bridge, and wait until the kernel has
+        freed the interfaces' names (a network of the same name can be made right after)."""
         existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         for line in existing.splitlines():
             ns = line.split()[0] if line.split() else ""
@@ -165,5 +210,19 @@ class HostNetwork:
                     except ProcessLookupError:
                         pass
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        # The kernel frees a deleted namespace's veth pair later, on its own: delete the root
+        # ends now (which deletes their peers too); one already on its way out refuses.
+        for link in self._links():
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
         self.hosts.clear()
+        deadline = time.monotonic() + LINKS_GONE_TIMEOUT_S
+        while (left := self._links()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            raise NetnsError(f"interfaces {', '.join(left)} still exist "
+                             f"{LINKS_GONE_TIMEOUT_S:.0f} s after their deletion; remove them "
+                             f"with `ip link del NAME` before making network {self.name!r} again")
+
+    def _links(self) -> list[str]:
+        """This network's interfaces in the root namespace: the bridge and the veths' root ends."""
+        return [link for link in _interfaces() if link.startswith(f"{self.name}-")]
