@@ -303,9 +303,7 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
         summary = run_job(cfg)
     except (StoreError, EtcdNotInstalledError, EtcdStartError, NetnsError, ValueError) as e:
         raise _fail(str(e))
-    print_table(f"job {job}: failures", ["replica", "at step", "reason", "survivor stall (s)"],
-                [(f["replica"], f["step"], f["reason"], f["stall_s"])
-                 for f in summary["failures"]])
+    print_table(f"job {job}: failures", FAILURE_COLUMNS, failure_rows(summary["failures"]))
     print_table(f"job {job}: summary", ["steps", "failures", "median stall (s)",
                                         "median step (s)", "ETTR time", "ETTR work",
                                         "eval loss", "bitwise identical"],
@@ -316,6 +314,19 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
     write_json(json_out, summary)
     if not (summary["bitwise_identical"] and summary["agents_ok"]):
         raise typer.Exit(1)
+
+
+FAILURE_COLUMNS = ("replica", "at step", "reason", "survivor stall (s)",
+                   "former measure, whole steps (s)", "resolution (s)")
+"""The failures table of ``ftsystem run``: the stall (``ftsystem.measure.stall``) beside the
+whole-step measure that earlier reports quoted, and the noise under which a stall is jitter."""
+
+
+def failure_rows(failures: List[dict]) -> List[tuple]:
+    """One row of ``FAILURE_COLUMNS`` per failure record; "-" where nothing was measured."""
+    return [(f["replica"], f["step"], f["reason"],
+             *("-" if f.get(k) is None else f[k]
+               for k in ("stall_s", "whole_steps_s", "resolution_s"))) for f in failures]
 
 
 @chaos_app.command("apply")
@@ -358,7 +369,7 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
 
 
 SUBCOMMAND_MODULES = (
-    "ftsystem.benchmarks.controller_bench", "ftsystem.benchmarks.failover",
+    "ftsystem.benchmarks.controller.command", "ftsystem.benchmarks.failover",
     "ftsystem.benchmarks.overhead", "ftsystem.benchmarks.rejoin", "ftsystem.benchmarks.ettr_bench",
     "ftsystem.benchmarks.gradsum", "ftsystem.benchmarks.soak", "ftsystem.benchmarks.fingerprint",
     "ftsystem.sim.ettr_cli", "ftsystem.halos.cli", "ftsystem.control.jobs_cli")

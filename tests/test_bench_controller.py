@@ -3,19 +3,26 @@ lease revocations; small numbers so that it stays a test, not a timed benchmark.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
 import sys
 
 import pytest
+from aetcd.rpc import LeaseKeepAliveResponse
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import DataReceived, RequestReceived
+from h2.settings import SettingCodes, Settings
 from typer.testing import CliRunner
 
-from ftsystem.benchmarks.controller_bench import (NODES_TARGET_P99_S, TARGET_P99_S,
-                                                  KeepAliveSchedule, NodesConfig,
-                                                  ControllerMode, control_plane_budget,
-                                                  keepalive_request, metric, parse_prometheus,
-                                                  spread, summarize)
+from ftsystem.benchmarks.controller.config import (
+    NODES_TARGET_P99_S, TARGET_P99_S, ControllerMode, NodesConfig, control_plane_budget, deal)
+from ftsystem.benchmarks.controller.etcd_rates import metric, parse_prometheus
+from ftsystem.benchmarks.controller.keepalive_schedule import KeepAliveSchedule
+from ftsystem.benchmarks.controller.keepalive_streams import KeepAliveStreams, keepalive_request
+from ftsystem.benchmarks.controller.stats import summarize
 from ftsystem.cli import app
 
 STATS = {"p50", "p99", "mean", "max"}
@@ -118,11 +125,11 @@ def test_prometheus_metrics_parse_and_sum_over_labels() -> None:
     assert metric(samples, "etcd_mvcc") == 0  # a prefix of a name is not the name
 
 
-def test_replicas_are_spread_whole_over_processes() -> None:
-    groups = spread([f"r{i}" for i in range(10)], 4)
+def test_replicas_are_dealt_whole_over_processes() -> None:
+    groups = deal([f"r{i}" for i in range(10)], 4)
     assert [len(g) for g in groups] == [3, 3, 2, 2]
     assert sorted(r for g in groups for r in g) == sorted(f"r{i}" for i in range(10))
-    assert len(spread(["a", "b"], 8)) == 2
+    assert len(deal(["a", "b"], 8)) == 2
 
 
 def test_nodes_must_divide_into_replicas() -> None:
@@ -159,3 +166,84 @@ def test_bench_controller_nodes_mode_writes_its_json(tmp_path) -> None:
     assert data["target_p99_s"] == NODES_TARGET_P99_S
     assert isinstance(data["meets_target"], bool)
     assert "node lease end" in result.stdout and "reported failure" in result.stdout
+
+
+# --- the keep-alive streams, against an in-memory HTTP/2 server speaking as etcd does ----------
+
+class _Wire(asyncio.Transport):
+    """What the client wrote, for the server to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def take(self) -> bytes:
+        data, self.written = self.written, b""
+        return data
+
+
+def _etcd_side(wire: _Wire, **settings: int) -> tuple[H2Connection, list[int]]:
+    """A server that read the client's preface and answered each stream's headers."""
+    server = H2Connection(H2Configuration(client_side=False))
+    server.local_settings = Settings(client=False, initial_values={
+        SettingCodes[name.upper()]: value for name, value in settings.items()})
+    server.initiate_connection()
+    opened = [e.stream_id for e in server.receive_data(wire.take())
+              if isinstance(e, RequestReceived)]
+    for sid in opened:
+        server.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+    return server, opened
+
+
+def _reply(lease: int, ttl: int) -> bytes:
+    body = LeaseKeepAliveResponse(ID=lease, TTL=ttl).SerializeToString()
+    return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+def test_keepalive_streams_deliver_replies_and_end_with_the_stream() -> None:
+    async def scenario() -> None:
+        replies = []
+        client = KeepAliveStreams("etcd:2379", 4, lambda lease, ttl: replies.append((lease, ttl)))
+        wire = _Wire()
+        client.connection_made(wire)
+        server, opened = _etcd_side(wire)
+        assert opened == [1, 3, 5, 7]
+        await client.send([10, 11, 14])  # each lease on stream lease % 4: 10, 14 -> 5; 11 -> 7
+        requests = {e.stream_id: e.data for e in server.receive_data(wire.take())
+                    if isinstance(e, DataReceived)}
+        assert requests == {5: keepalive_request(10) + keepalive_request(14),
+                            7: keepalive_request(11)}
+        message = _reply(10, 40) + _reply(14, 0)
+        server.send_data(5, message[:7])  # a message split over two DATA frames
+        server.send_data(5, message[7:])
+        client.data_received(server.data_to_send())
+        assert replies == [(10, 40), (14, 0)] and not client.ended.done()
+        server.send_headers(5, [("grpc-status", "14"), ("grpc-message", "unavailable")],
+                            end_stream=True)
+        client.data_received(server.data_to_send())
+        with pytest.raises(ConnectionError, match="grpc-status"):
+            await client.ended
+    asyncio.run(scenario())
+
+
+def test_keepalive_streams_wait_for_flow_control_window() -> None:
+    async def scenario() -> None:
+        client = KeepAliveStreams("etcd:2379", 1, lambda lease, ttl: None)
+        wire = _Wire()
+        client.connection_made(wire)
+        server, _ = _etcd_side(wire, initial_window_size=20)
+        client.data_received(server.data_to_send())  # etcd's settings: 20 bytes per stream
+        sending = asyncio.create_task(client.send(list(range(1000, 1004))))  # 4 x 8 bytes
+        await asyncio.sleep(0)
+        assert not sending.done()
+        server.receive_data(wire.take())  # the client's acknowledgement of the settings
+        server.increment_flow_control_window(100, stream_id=1)
+        client.data_received(server.data_to_send())
+        await asyncio.wait_for(sending, 1)
+        sent = b"".join(e.data for e in server.receive_data(wire.take())
+                        if isinstance(e, DataReceived))
+        assert sent == b"".join(keepalive_request(lease) for lease in range(1000, 1004))
+    asyncio.run(scenario())

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ftsystem.benchmarks.ettr_bench import SYSTEMS, aggregate, stall_summary
+from ftsystem.benchmarks.harness import spec_mismatches
 from ftsystem.cli import app
 
 
@@ -78,6 +79,8 @@ def test_a_short_run_of_both_systems_writes_the_json(tmp_path) -> None:
         assert run["fault_free"]["spread_bound_s"] >= run["fault_free"]["step_s"] > 0, run
         assert run["ettr_net"] is None or run["ettr_time"] <= run["ettr_net"] <= 1, (name, run)
         assert run["ettr_paced"] is None or 0 < run["ettr_paced"] < 1.5, (name, run)
+    runs = [data[name]["rounds"][0] for name in SYSTEMS]
+    assert spec_mismatches(runs) == [] and runs[0]["spec"]["timeout_s"] == 6.0
     assert "ETTR over 25 s" in result.output
 
 
@@ -89,9 +92,9 @@ def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
     calls = []
 
     def fake(name: str, ettr_time: float):
-        def run(*, spec, workdir, **_) -> dict:
-            calls.append(name if spec else f"{name} fault-free")
-            if spec is None:  # 100 steps in 10 s: a pace of 0.1 s
+        def run(spec, *, chaos, workdir, **_) -> dict:
+            calls.append(name if chaos else f"{name} fault-free")
+            if chaos is None:  # 100 steps in 10 s: a pace of 0.1 s
                 return {"ettr_time": 0.97, "interval_s": 10.0, "_mean_step_s": 0.1,
                         "_spread_bound_s": 0.15, "step_s": 0.09, "steps_advanced": 100,
                         "window_start_s": 1.0}
@@ -128,6 +131,13 @@ def test_the_command_alternates_the_systems_and_aggregates_the_rounds(tmp_path,
     assert data["ftsystem"]["fault_free_ettr_time"]["median"] == pytest.approx(0.97)
     assert data["restart_all"]["stall_by_action"]["kill"]["n"] == 3
     assert (tmp_path / "runs" / "round2" / "ftsystem" / "round.json").exists()
+    # Both systems trained one spec in every round, and each round says so.
+    runs = data["ftsystem"]["rounds"] + data["restart_all"]["rounds"]
+    assert spec_mismatches(runs) == [] and runs[0]["spec"] == data["spec"]
+    assert data["spec"]["duration_s"] == 10.0
+    assert data["ftsystem"]["rounds"][0]["fault_free"]["spec"]["duration_s"] == 60.0
+    assert [entry["order"] for entry in data["round_log"]] == [
+        ["restart_all", "ftsystem"], ["ftsystem", "restart_all"], ["restart_all", "ftsystem"]]
 
 
 def test_remeasure_takes_the_fault_free_figures_again_from_the_kept_commit_files(tmp_path) -> None:

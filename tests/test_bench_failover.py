@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from ftsystem.baselines.torchft_replica import QUORUM_TIMEOUT
 from ftsystem.baselines.torchft_scenario import lighthouse_binary
 from ftsystem.benchmarks.failover import _lighthouse, _systems
+from ftsystem.benchmarks.harness import spec_mismatches
 from ftsystem.cli import app
 from ftsystem.launch.launcher import RunConfig
 
@@ -67,4 +68,8 @@ def test_one_kill_per_system_is_measured_from_its_instant(tmp_path) -> None:
         "Manager.allreduce of one flat buffer")
     ratio = data["median_stall_ratio_torchft_1s_over_ftsystem"]
     assert ratio is None or set(ratio) >= {"value", "per_round", "min", "max"}
+    # Both systems trained one spec, and each run says so.
+    runs = data["ftsystem"]["rounds"] + data["torchft_1s"]["rounds"]
+    assert [run["system"] for run in runs] == ["ftsystem", "torchft_1s"]
+    assert spec_mismatches(runs) == [] and data["spec"] == runs[0]["spec"]
     assert "survivor stall per crash" in result.output

@@ -12,7 +12,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from ftsystem.benchmarks.harness import RunSpec, ddp_rank_command, spec_mismatches
 from ftsystem.benchmarks.overhead import (
+    DDP_TIMEOUT_S,
     QUICK_STEPS,
     SYSTEMS,
     _wait_all,
@@ -20,7 +22,7 @@ from ftsystem.benchmarks.overhead import (
     parse_sizes,
     parse_systems,
     ratios,
-    run_ddp,
+    run_ranks,
     steady_rate,
     warmup_steps,
 )
@@ -78,16 +80,24 @@ def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
     for key in ("steps_per_s_spread", "ratio_vs_ddp_spread"):  # one round: min = median = max
         spread = model[key]["ftsystem"]
         assert spread["min"] == spread["median"] == spread["max"] > 0, model[key]
+    # Every system trained one spec, and each run says so.
+    runs = [run for system_runs in model["runs"].values() for run in system_runs]
+    assert sorted(run["system"] for run in runs) == sorted(SYSTEMS)
+    assert spec_mismatches(runs) == [] and runs[0]["spec"]["steps"] == QUICK_STEPS
+    assert [entry["order"] for entry in model["round_log"]] == [list(SYSTEMS)]
     assert "overhead: steady-state throughput" in result.output
 
 
 @pytest.mark.slow
 def test_a_failing_ddp_rank_ends_the_baseline_with_its_log(tmp_path) -> None:
-    # A negative size fails in each rank's model constructor, after the imports: real processes,
-    # and the peer that would otherwise wait for it at the rendezvous is stopped.
+    # A negative learning rate (the last --lr counts) fails in each rank's optimizer, after the
+    # imports and the rendezvous: real processes, and the peer that would otherwise wait for it
+    # is stopped.
+    spec = RunSpec(num_replicas=2, steps=2)
     with pytest.raises(RuntimeError, match=r"DDP rank \d exited with 1; its log ends:(.|\n)*"
-                                           r"math domain error"):
-        run_ddp(params=-5, steps=2, replicas=2, workdir=tmp_path)
+                                           r"Invalid learning rate"):
+        run_ranks("DDP", lambda rank: [*ddp_rank_command(spec, rank, tmp_path), "--lr", "-1"],
+                  world_size=2, workdir=tmp_path, timeout_s=DDP_TIMEOUT_S)
 
 
 def test_ranks_with_results_written_are_not_waited_for_while_tearing_down() -> None:

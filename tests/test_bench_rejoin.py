@@ -15,17 +15,29 @@ from ftsystem.cli import app
 
 
 def test_summary_gives_each_figure_over_the_rounds() -> None:
-    runs = {1_000_000: {"ftsystem": [{"join_stall_s": 0.1, "time_to_join_s": 5.0,
-                                      "transfer_bytes_per_s": 2e9, "step_s": 0.2},
-                                     {"join_stall_s": 0.3, "time_to_join_s": 4.0,
-                                      "transfer_bytes_per_s": None, "step_s": 0.2}]}}
-    summary = summarize([{"loopback_bytes_per_s": 3e9}, {"loopback_bytes_per_s": 5e9}], runs)
-    ours = summary["sizes"][0]["ftsystem"]
-    assert summary["sizes"][0]["params"] == 1_000_000
+    runs = {(1_000_000, "ftsystem"): [{"join_stall_s": 0.1, "time_to_join_s": 5.0,
+                                       "transfer_bytes_per_s": 2e9, "step_s": 0.2},
+                                      {"join_stall_s": 0.3, "time_to_join_s": 4.0,
+                                       "transfer_bytes_per_s": None, "step_s": 0.2}],
+            (1_000_000, "torchft"): [{"join_stall_s": 0.5}, {"join_stall_s": 0.7}]}
+    log = [{"round": 0, "loopback_bytes_per_s": 3e9}, {"round": 1, "loopback_bytes_per_s": 5e9}]
+    summary = summarize(log, runs)
+    (size,) = summary["sizes"]
+    ours = size["ftsystem"]
+    assert size["params"] == 1_000_000
+    assert size["torchft"]["join_stall_s"] == {"median": pytest.approx(0.6), "min": 0.5,
+                                               "max": 0.7}
     assert ours["join_stall_s"] == {"median": pytest.approx(0.2), "min": 0.1, "max": 0.3}
     assert ours["transfer_bytes_per_s"] == {"median": 2e9, "min": 2e9, "max": 2e9}
     assert len(ours["rounds"]) == 2
-    assert summary["loopback_bytes_per_s"]["median"] == 4e9
+    assert summary["loopback_bytes_per_s"]["median"] == 4e9 and summary["round_log"] == log
+
+
+def test_every_size_trains_the_same_spec_on_every_system() -> None:
+    spec = rejoin.plan_spec(10_000_000, rejoin.PLANS[10_000_000])
+    assert (spec.num_replicas, spec.model_params, spec.steps) == (2, 10_000_000, 60)
+    # The example program's defaults, which the torchft baseline's own are.
+    assert (spec.batch_size, spec.lr) == (16, 3e-3)
 
 
 def test_the_join_step_stall_is_the_members_gap_at_the_joiners_first_commit() -> None:
@@ -78,12 +90,14 @@ def test_unknown_system_is_refused() -> None:
 
 def test_a_failed_run_is_recorded_without_figures_and_the_bench_goes_on(monkeypatch,
                                                                        tmp_path) -> None:
-    def fail(**_):
+    def fail(*_, **__):
         raise TimeoutError("torchft scenario: timed out waiting for all replicas to finish")
     monkeypatch.setattr(rejoin, "run_torchft", fail)
-    run = rejoin.run_system("torchft", params=1_000_000, steps=1, sleep=0.0, workdir=tmp_path)
+    spec = rejoin.plan_spec(1_000_000, (1, 0.0))
+    run = rejoin.run_system("torchft", spec, workdir=tmp_path)
     assert run["join_stall_s"] is None and run["transfer_bytes_per_s"] is None
     assert "timed out" in run["error"]
+    assert run["system"] == "torchft" and run["spec"]["model_params"] == 1_000_000
 
 
 def test_sizes_are_picked_by_name_and_unknown_ones_refused() -> None:
@@ -111,3 +125,7 @@ def test_quick_run_writes_every_figure(tmp_path) -> None:
     assert ours["time_to_join_s"]["median"] > 0 and ours["transfer_bytes_per_s"]["median"] > 0
     assert ours["rounds"][0]["catchup"]["snapshot_bytes"] > 0
     assert data["launch_phases"] == [0.5] and ours["rounds"][0]["launch_phase"] == 0.5
+    run = ours["rounds"][0]
+    assert run["system"] == "ftsystem"
+    assert (run["spec"]["batch_size"], run["spec"]["lr"]) == (16, 3e-3)
+    assert data["round_log"][0]["load_1m_before"] >= 0

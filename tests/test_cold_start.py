@@ -17,7 +17,9 @@ EVERY = 10
 TRAIN_DEFAULTS = parse_args([])
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-ranks-fsdp2"])
+# Two ranks per replica: each checkpoint holds two FSDP2 shards, the case with more to get wrong
+# (a single rank's checkpoint round trip is tests/test_checkpoint.py's).
+@pytest.mark.parametrize("ranks", [2], ids=["2-ranks-fsdp2"])
 def test_a_job_whose_replicas_all_die_resumes_from_its_newest_checkpoint(tmp_path, ranks):
     kill_everyone = parse_specs(textwrap.dedent("""
         action: kill

@@ -1,42 +1,170 @@
-"""Stall and ETTR arithmetic on hand-made timelines, and one run measured from its faults."""
+"""Stall and ETTR arithmetic on hand-made timelines, and runs measured from their faults."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from ftsystem.cli import failure_rows
 from ftsystem.measure.ettr import LiveEttr, ettr, job_timeline
-from ftsystem.measure.stall import (down_at, failure_stall, faults, normal_step_time,
-                                    phase_instant, survivor_stall)
+from ftsystem.measure.stall import (down_at, failure_stall, fault_stall, faults, normal_step_time,
+                                    phase_instant, stall_fields, survivor_stall)
 
 
 def steady(start: float, n: int, step: float = 0.1, first_step: int = 1):
     return [(first_step + i, start + i * step) for i in range(n)]
 
 
-def test_survivor_stall_runs_from_the_fault_to_the_next_commit_less_a_step():
+def test_the_stall_is_the_excess_of_the_gap_holding_the_fault():
     # commits every 0.1 s, then nothing from 1.0 s to 1.6 s: a fault at 1.05 s
     timeline = steady(0.0, 11) + steady(1.6, 10, first_step=12)
     assert normal_step_time(timeline) == pytest.approx(0.1)
-    assert survivor_stall(timeline, 1.05) == pytest.approx(1.6 - 1.05 - 0.1)
+    measured = survivor_stall(timeline, 1.05)
+    assert measured.excess_s == pytest.approx(0.6 - 0.1)
+    assert measured.normal_step_s == pytest.approx(0.1)
+    assert measured.gaps_counted == 1
+    assert measured.resolution_s == pytest.approx(0.001)  # gaps all alike: the floor
+    # The former measure left out the part of the gap before the fault.
+    assert measured.whole_steps_s == pytest.approx(1.6 - 1.05 - 0.1)
     assert survivor_stall(timeline, 100.0) is None  # nothing committed after it
     assert survivor_stall(timeline, -1.0) is None  # nor before it: it was not training
+
+
+def test_a_stall_under_a_step_is_counted_where_whole_steps_read_zero():
+    # The README's kill: one step of 0.134 s among steps of 0.072 s, the fault late in it.
+    timeline = steady(0.0, 101, step=0.072) + steady(7.2 + 0.134, 50, step=0.072, first_step=102)
+    measured = survivor_stall(timeline, 7.2 + 0.1)
+    assert measured.excess_s == pytest.approx(0.134 - 0.072)
+    assert measured.whole_steps_s == 0.0
 
 
 def test_a_step_that_commits_after_the_fault_does_not_hide_the_stall():
     # the step in flight commits on time (1.1 s), then nothing until 2.1 s
     timeline = steady(0.0, 12) + steady(2.1, 10, first_step=13)
-    assert survivor_stall(timeline, 1.05) == pytest.approx(2.1 - 1.05 - 2 * 0.1)
-    # beyond the window it is not this fault's
-    assert survivor_stall(timeline, 0.55, window=3) == pytest.approx(0.0)
+    measured = survivor_stall(timeline, 1.05)
+    assert measured.excess_s == pytest.approx(2.1 - 1.1 - 0.1)
+    assert measured.gaps_counted == 1
+    assert measured.whole_steps_s == pytest.approx(2.1 - 1.05 - 2 * 0.1)
+    # two steps before the stall, it is not this fault's
+    assert survivor_stall(timeline, 0.55).excess_s == pytest.approx(0.0, abs=1e-9)
 
 
 def test_measuring_from_the_record_instead_of_the_fault_undercounts():
-    # A hang at 1.0 s, detected and recorded at 3.0 s; the survivor resumes at 3.1 s.
+    # A hang at 1.0 s, recorded at 3.2 s, after the survivor resumed at 3.1 s.
     timeline = steady(0.0, 11) + steady(3.1, 10, first_step=12)
-    assert survivor_stall(timeline, 1.0) == pytest.approx(2.0)
-    assert survivor_stall(timeline, 3.0) == pytest.approx(0.0)  # what the record would say
+    assert survivor_stall(timeline, 1.0).excess_s == pytest.approx(2.0)
+    assert survivor_stall(timeline, 3.2).excess_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_without_a_lengthened_gap_the_excess_is_not_clipped_at_zero():
+    # A fault in a short gap: its (negative) excess is reported, within the resolution.
+    times = _jittery(60, 0.1, [-0.01, 0.01, 0.0, -0.01, 0.01, -0.03, 0.0, 0.01, -0.01, 0.0])
+    measured = survivor_stall(list(enumerate(times, start=1)), times[15] + 0.05)
+    assert measured.excess_s == pytest.approx(0.07 - 0.1)
+    assert measured.gaps_counted == 1
+    assert abs(measured.excess_s) <= measured.resolution_s
+    assert measured.whole_steps_s == 0.0
+
+
+def test_jittery_steps_set_the_resolution_and_are_not_stalls():
+    # Steps alternate 0.08 and 0.12 s; one 0.4 s stall.
+    times, t = [], 0.0
+    for i in range(60):
+        times.append(t)
+        t += 0.08 if i % 2 else 0.12
+        if i == 30:
+            t += 0.4
+    timeline = list(enumerate(times, start=1))
+    measured = survivor_stall(timeline, times[30] + 0.01)
+    assert measured.normal_step_s == pytest.approx(0.1)
+    assert measured.resolution_s == pytest.approx(0.02)  # the jitter, not the stall
+    assert measured.excess_s == pytest.approx(0.4 + 0.12 - 0.1)
+    assert measured.gaps_counted == 1
+    quiet = survivor_stall(timeline, times[10] + 0.01)
+    assert abs(quiet.excess_s) == pytest.approx(quiet.resolution_s)  # a slow step, no stall
+
+
+NUM_GAPS = 100
+"""Gaps of a made-up timeline: faults lengthen at most 4, too few to move the noise."""
+
+
+def _jittery(gap_count: int, step: float, jitter: list[float]) -> list[float]:
+    """Commit times with steps of ``step`` plus the given jitter (cycled)."""
+    times = [0.0]
+    for i in range(gap_count):
+        times.append(times[-1] + step + jitter[i % len(jitter)])
+    return times
+
+
+fault_cases = st.fixed_dictionaries({
+    "step": st.floats(0.02, 2.0),
+    "jitter": st.lists(st.floats(-0.1, 0.1), min_size=1, max_size=20),  # of a step
+    "extra": st.lists(st.floats(0.6, 20.0), min_size=1, max_size=4),  # of a step, per gap
+    "where": st.integers(5, 40),  # the first lengthened gap
+    "inside": st.floats(0.0, 0.999),  # where in that gap the fault hits
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(fault_cases)
+def test_a_fault_anywhere_in_a_gap_measures_the_time_it_added(case):
+    """Stalls added to consecutive gaps of a jittery timeline: the measure sums them, wherever
+    in the first gap the fault hits, within the jitter, and never below the former measure."""
+    step, jitter = case["step"], [j * case["step"] for j in case["jitter"]]
+    extra = [e * step for e in case["extra"]]
+    times = _jittery(NUM_GAPS, step, jitter)
+    where = case["where"]
+    for i, added in enumerate(extra):  # gap k spans times[k]..times[k+1]
+        times[where + i + 1:] = [t + added for t in times[where + i + 1:]]
+    fault = times[where] + case["inside"] * (times[where + 1] - times[where])
+    measured = survivor_stall(list(enumerate(times, start=1)), fault)
+    widest = max(jitter) - min(jitter)
+    assert measured.resolution_s <= widest + 0.01 * measured.normal_step_s + 1e-9
+    # Beside the lengthened gaps, a few normal ones may exceed the noise (one in twenty, of
+    # 100): each adds at most the jitter.
+    assert len(extra) <= measured.gaps_counted <= len(extra) + 5
+    assert measured.excess_s == pytest.approx(sum(extra), abs=(len(extra) + 5) * widest + 1e-9)
+    assert measured.whole_steps_s <= measured.excess_s + widest + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(step=st.floats(0.02, 2.0), jitter=st.lists(st.floats(-0.1, 0.1), min_size=1, max_size=20),
+       where=st.integers(0, NUM_GAPS - 2), inside=st.floats(0.0, 0.999))
+def test_without_a_stall_the_measure_stays_within_its_resolution(step, jitter, where, inside):
+    times = _jittery(NUM_GAPS, step, [j * step for j in jitter])
+    fault = times[where] + inside * (times[where + 1] - times[where])
+    measured = survivor_stall(list(enumerate(times, start=1)), fault)
+    # Only the normal gaps that exceed the noise (one in twenty) count, with their jitter.
+    assert measured.gaps_counted <= 1 + 5
+    assert -measured.resolution_s - 1e-9 <= measured.excess_s
+    assert measured.excess_s <= 3 * (max(jitter) - min(jitter)) * step + 1e-9
+
+
+def test_the_fault_stall_is_the_worst_survivors_with_its_figures():
+    timelines = {"a": steady(0.0, 11) + steady(1.6, 10, first_step=12),
+                 "b": steady(0.0, 11) + steady(1.3, 10, first_step=12),
+                 "victim": steady(0.0, 11)}
+    worst = fault_stall(timelines, 1.05, ["victim"])
+    assert worst == survivor_stall(timelines["a"], 1.05)
+    assert failure_stall(timelines, 1.05, ["victim"]) == pytest.approx(worst.whole_steps_s)
+    assert fault_stall(timelines, 1.05, ["a", "b", "victim"]) is None
+    assert stall_fields(worst) == {"stall_s": worst.excess_s, "whole_steps_s": worst.whole_steps_s,
+                                   "normal_step_s": worst.normal_step_s, "gaps_counted": 1,
+                                   "resolution_s": worst.resolution_s}
+    assert set(stall_fields(None).values()) == {None}
+
+
+def test_the_run_report_shows_the_stall_beside_the_former_measure():
+    failures = [{"replica": "r1", "step": 100, "reason": "killed by SIGKILL", "stall_s": 0.062,
+                 "whole_steps_s": 0.0, "resolution_s": 0.01},
+                {"replica": "r2", "step": 7, "reason": "hung"}]  # no survivor measured it
+    assert failure_rows(failures) == [("r1", 100, "killed by SIGKILL", 0.062, 0.0, 0.01),
+                                      ("r2", 7, "hung", "-", "-", "-")]
 
 
 def test_faults_are_timed_by_the_order_that_explains_each_failure():
@@ -63,12 +191,6 @@ def test_a_later_order_explains_a_failure_only_once():
     assert [(f["time"], f["explains"]) for f in found] == [(5.0, []), (6.0, [0])]
 
 
-def test_failure_stall_ignores_the_failed_replica():
-    timelines = {"a": steady(0.0, 30), "b": steady(0.0, 10)}
-    assert failure_stall(timelines, 0.95, ["b"]) == pytest.approx(0.0)
-    assert failure_stall({"b": steady(0.0, 10)}, 0.5, ["b"]) is None
-
-
 def test_a_replica_still_down_from_its_own_fault_is_no_survivor_of_the_next():
     # b is cut off at 1.05 s and commits again at 3.0 s; a's fault at 2.0 s hits in between.
     timelines = {"a": steady(0.0, 20) + steady(2.6, 10, first_step=21),
@@ -78,9 +200,9 @@ def test_a_replica_still_down_from_its_own_fault_is_no_survivor_of_the_next():
     assert down_at(timelines, events, 2.0) == ["a", "b"]  # a: its own fault, at that instant
     assert down_at(timelines, events, 0.5) == []
     assert down_at(timelines, events, 3.5) == []  # b committed since
-    counted = failure_stall(timelines, 2.0, ["a", *down_at(timelines, events, 2.0)])
-    assert counted == pytest.approx(2.6 - 2.0 - 0.1)  # c's stall, not b's own gap
-    assert failure_stall(timelines, 2.0, ["a"]) == pytest.approx(3.0 - 2.0 - 0.1)
+    counted = fault_stall(timelines, 2.0, ["a", *down_at(timelines, events, 2.0)])
+    assert counted.excess_s == pytest.approx(2.6 - 1.9 - 0.1)  # c's stall, not b's own gap
+    assert fault_stall(timelines, 2.0, ["a"]).excess_s == pytest.approx(3.0 - 1.0 - 0.1)
 
 
 def test_ettr_without_failures_is_one():
@@ -155,9 +277,9 @@ def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_pa
     import textwrap
 
     from ftsystem.chaos.spec import parse_specs
+    from ftsystem.control.timeouts import Timeouts
     from ftsystem.launch.launcher import RunConfig, run_job
     from ftsystem.training.runtime import HEARTBEAT_S
-    from ftsystem.control.timeouts import Timeouts
 
     timeout_s = 6.0
     cfg = RunConfig(num_replicas=3, num_steps=140, out_dir=tmp_path / "run",
@@ -228,3 +350,53 @@ def test_phase_instant_is_a_fraction_of_a_normal_step_after_the_last_commit() ->
     assert phase_instant(timeline, 0.25) == 15.25
     assert phase_instant(timeline, 0.0) == 15.0
     assert phase_instant(timeline[:1], 0.5) is None  # no step time yet
+
+
+def _gap_excess(timeline, instant: float) -> float:
+    """Straight from a commit file: the longer of the gap holding ``instant`` and the next one
+    (the step in flight may have committed on time), less the median gap."""
+    times = [t for _, t in timeline]
+    after = next(i for i, t in enumerate(times) if t > instant)
+    step_gaps = [b - a for a, b in itertools.pairwise(times)]
+    return max(step_gaps[after - 1:after + 1]) - statistics.median(step_gaps)
+
+
+@pytest.mark.slow
+def test_a_kill_at_point_is_measured_from_the_instant_it_recorded(etcd, job_id, tmp_path):
+    """End to end, the README's two kills: each ``--kill-at`` point records its instant; the
+    run's summary measures the survivors' stall from it, within a normal step of what their
+    commit files show, and not from the failure record that comes after detection."""
+    from ftsystem.chaos.faults import RECORD_ACTION, FaultPoint
+    from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
+    from ftsystem.measure.stall import read_timeline
+
+    cfg = RunConfig(num_replicas=3, num_steps=100, etcd=etcd.url, job=job_id,
+                    out_dir=tmp_path / "run",
+                    # The plain loop sends no buckets during backward: the all-reduce that the
+                    # second kill interrupts is still in flight on the survivors.
+                    train_args=["--sleep-per-step", "0.05", "--loop", "plain"],
+                    kills=[ReplicaKill(1, FaultPoint(30, "step")),
+                           ReplicaKill(2, FaultPoint(60, "allreduce"))], show_progress=False)
+    summary = run_job(cfg)
+    assert summary["agents_ok"] and summary["bitwise_identical"], summary
+    records = {o["replica"]: o for o in summary["chaos"] if o["action"] == RECORD_ACTION}
+    kills = {f["replica"]: f for f in summary["faults"] if f["action"] == RECORD_ACTION}
+    assert sorted(kills) == sorted(records) == ["r1", "r2"], summary["faults"]
+    timelines = {rid: read_timeline(cfg.out_dir / "results" / f"{rid}.commits")
+                 for rid in ("r0", "r1", "r2")}
+    for victim, kill in kills.items():
+        assert kill["time"] == records[victim]["executed_at"]
+        [failure] = [f for f in summary["failures"] if f["replica"] == victim]
+        assert failure["fault_time"] == kill["time"] < failure["time"], failure
+        survivors = {rid: tl for rid, tl in timelines.items()
+                     if rid not in (victim, *down_at(timelines, summary["faults"], kill["time"]))}
+        assert survivors, kill
+        direct = max(_gap_excess(tl, kill["time"]) for tl in survivors.values())
+        measured = fault_stall(survivors, kill["time"], [])
+        print(f"{victim} killed at {records[victim]['outcome']}: stall {measured.excess_s:.3f} s"
+              f" over {measured.gaps_counted} gap(s), former measure "
+              f"{measured.whole_steps_s:.3f} s, summary {kill['stall_s']:.3f} s, commit files "
+              f"{direct:.3f} s, normal step {measured.normal_step_s:.3f} s, resolution "
+              f"{measured.resolution_s:.3f} s")
+        assert abs(kill["stall_s"] - direct) <= measured.normal_step_s, (kill, direct)
+        assert abs(measured.excess_s - direct) <= measured.normal_step_s, (measured, direct)

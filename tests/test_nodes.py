@@ -45,7 +45,9 @@ def _stepped_during(timeline: list, start: float, seconds: float) -> bool:
 
 @pytest.mark.skipif(NETNS is not None, reason=str(NETNS))
 @pytest.mark.timeout(600)  # 4 agents and up to 8 ranks on 2 cores: minutes on a busy machine
-@pytest.mark.parametrize("ranks", [1, 2], ids=["2x2x1", "2x2x2-fsdp2"])
+# Two ranks per node, sharded with FSDP2: the one-rank layout is the other tests' (a node's
+# ranks die and come back together either way).
+@pytest.mark.parametrize("ranks", [2], ids=["2x2x2-fsdp2"])
 def test_a_dead_host_and_a_cut_link_restart_only_their_replica(tmp_path, ranks):
     steps = 150 if ranks == 1 else 100
     # Both faults hit replica r1 (a node killed, later a node cut off): r0 must keep stepping

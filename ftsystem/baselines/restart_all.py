@@ -1,7 +1,7 @@
 """The synchronous restart-all baseline: torchrun elastic, c10d rendezvous, checkpoint reload.
 
 What most jobs run today, under the same chaos orders as ftsystem: one torchrun agent per node
-(``python -m torch.distributed.run --nnodes N --rdzv-backend c10d --max-restarts M``), one
+(``python -m torch.distributed.run --nnodes 1:N --rdzv-backend c10d --max-restarts M``), one
 process per node training plain DDP over Gloo (``restart_all_worker``). When any worker fails,
 every agent tears its workers down and the whole group meets again in a new rendezvous round;
 the new workers reload the last checkpoint, so the steps after it are computed again.
@@ -48,7 +48,7 @@ from ftsystem.measure import ettr, stall
 from ftsystem.baselines import restart_all_worker as worker
 from ftsystem.chaos.spec import ChaosSpec, Order, expand
 from ftsystem.launch.launcher import replica_id
-from ftsystem.launch.netns import IFACE, Host, HostNetwork, namespace_pids
+from ftsystem.launch.netns import IFACE, Host, HostNetwork, namespace_pids, unique_network_name
 from ftsystem.launch.procs import die_with_parent, kill_and_reap
 from ftsystem.measure.stall import Timeline, read_timeline
 from ftsystem.control.timeouts import Timeouts
@@ -69,6 +69,10 @@ class RestartAllConfig:
     """Checkpoint, commit logs, results and torchrun logs go here."""
     num_nodes: int = 4
     """torchrun agents ("nodes"), one worker each: as many as ftsystem has replicas."""
+    min_nodes: int = 1
+    """torchrun elastic's minimum (``--nnodes min:max``): a rendezvous round goes on without a
+    node that does not come within its last call, and the node joins at the next round; 1,
+    as ftsystem's ``--min-replicas`` default."""
     num_steps: int = 300
     """Steps to train."""
     duration_s: float = 0.0
@@ -107,7 +111,8 @@ def torchrun_command(cfg: RestartAllConfig, *, endpoint: str, local_addr: str,
              "--steps", str(cfg.num_steps), "--checkpoint-every", str(cfg.checkpoint_every),
              "--timeout", str(cfg.collective_timeout_s()), "--startup-timeout", str(cfg.startup_timeout_s),
              "--until", f"{until:.3f}", *cfg.train_args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cfg.num_nodes),
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", f"{cfg.min_nodes}:{cfg.num_nodes}",
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", cfg.job, "--rdzv-conf", rdzv_conf,
             "--max-restarts", str(cfg.max_restarts), "--local-addr", local_addr,
@@ -162,11 +167,6 @@ class Node:
             os.close(fd)
             return None
         return fd
-
-
-def network_name() -> str:
-    """This process's namespaces' prefix: unique, as a network removes its namesakes' leftovers."""
-    return f"ra{os.getpid() % 100_000}"
 
 
 def _parent_pid(pid: int) -> int | None:
@@ -228,7 +228,8 @@ class RestartAllJob:
         """Where the rendezvous listens, and each node's (address, host)."""
         if not self.cfg.netns:
             return "127.0.0.1", [("127.0.0.1", None)] * self.cfg.num_nodes
-        net = self._stack.enter_context(HostNetwork(self.cfg.num_nodes, name=network_name()))
+        network = HostNetwork(self.cfg.num_nodes, name=unique_network_name("ra"))
+        net = self._stack.enter_context(network)
         return net.bridge_address, [(host.address, host) for host in net.hosts]
 
     def _launch(self, node: Node) -> None:

@@ -5,10 +5,13 @@ with ``TORCHFT_LIGHTHOUSE`` set to the lighthouse's address, as torchft expects.
 
 The loop is torchft's documented one: ``start_quorum()`` per step, gradients averaged with
 ``Manager.allreduce``, ``should_commit()`` gates ``optimizer.step()``. The gradients go as one
-flat buffer in one all-reduce, as ftsystem sends them, and the model, batch size, learning rate,
-optimizer and data are those of ftsystem's example program in its plain loop
-(``ftsystem.example.train --loop plain``), so that the two differ only in the fault tolerance. A restarted replica heals from a healthy peer through the Manager's
-``state_dict``/``load_state_dict`` callbacks (HTTP checkpoint transport, torchft's default).
+flat buffer in one all-reduce, as ftsystem sends them, and the model, optimizer and data are
+those of ftsystem's example program in its plain loop (``ftsystem.example.train --loop plain``),
+so that the two differ only in the fault tolerance. ``--model-params``, ``--batch-size``,
+``--lr``, ``--seed`` and ``--sleep-per-step`` mean what they mean to that program, with its
+defaults; a benchmark passes both the same values (``ftsystem.benchmarks.harness``). A restarted
+replica heals from a healthy peer through the Manager's ``state_dict``/``load_state_dict``
+callbacks (HTTP checkpoint transport, torchft's default).
 
 torchft's ``DistributedDataParallel`` wrapper is not used: in 0.2.0 its comm hook asserts on
 the future of a failed all-reduce (``assert fut._fut`` in ``ddp.py``), so a peer SIGKILLed
@@ -55,7 +58,8 @@ HEARTBEAT_INTERVAL = timedelta(milliseconds=100)
 TORCHFT_TIMEOUT_ENVS = ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC",
                         "TORCHFT_CONNECT_TIMEOUT_SEC", "TORCHFT_QUORUM_RETRIES")
 
-# ftsystem's example program's defaults, read from it so that they cannot drift apart.
+# ftsystem's example program's defaults, read from it so that they cannot drift apart: this
+# program's own defaults.
 _FTSYSTEM_DEFAULTS = ftsystem_train.parse_args([])
 BATCH_SIZE = _FTSYSTEM_DEFAULTS.batch_size
 LEARNING_RATE = _FTSYSTEM_DEFAULTS.lr
@@ -64,8 +68,10 @@ SEED = _FTSYSTEM_DEFAULTS.seed
 logger = logging.getLogger(__name__)
 
 
-def manager_settings() -> dict[str, object]:
-    """The Manager settings this replica runs with, for the benchmark's record."""
+def manager_settings(batch_size: int = BATCH_SIZE, lr: float = LEARNING_RATE
+                     ) -> dict[str, object]:
+    """The Manager settings a replica training at ``batch_size`` and ``lr`` runs with, for
+    the benchmark's record."""
     return {
         "timeout_s": MANAGER_TIMEOUT.total_seconds(),
         "quorum_timeout_s": QUORUM_TIMEOUT.total_seconds(),
@@ -75,7 +81,7 @@ def manager_settings() -> dict[str, object]:
         "use_async_quorum": True,
         "process_group": "ProcessGroupGloo",
         "gradient_averaging": "Manager.allreduce of one flat buffer of every gradient",
-        "batch_size": BATCH_SIZE, "learning_rate": LEARNING_RATE,
+        "batch_size": batch_size, "learning_rate": lr,
         "checkpoint_transport": "HTTPTransport (default)",
     }
 
@@ -91,6 +97,10 @@ class Trainer:
 
     replica: int
     model_params: Optional[int]
+    batch_size: int = BATCH_SIZE
+    lr: float = LEARNING_RATE
+    seed: int = SEED
+    """Seeds the model's initial weights and the language (the data)."""
     model: TinyGPT = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
     data: MarkovLanguage = field(init=False)
@@ -100,10 +110,10 @@ class Trainer:
     def __post_init__(self) -> None:
         cfg = ModelConfig.for_params(self.model_params) if self.model_params else ModelConfig()
         # Same seed everywhere: replicas start identical, as torchft's examples assume.
-        torch.manual_seed(SEED)
+        torch.manual_seed(self.seed)
         self.model = TinyGPT(cfg)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
-        self.data = MarkovLanguage(vocab_size=cfg.vocab_size, seed=SEED)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        self.data = MarkovLanguage(vocab_size=cfg.vocab_size, seed=self.seed)
 
     def state_dict(self) -> dict[str, object]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -115,7 +125,7 @@ class Trainer:
     def backward(self, step: int) -> float:
         """Forward and backward on this replica's batch for ``step``; returns the loss."""
         cfg = self.model.cfg
-        batch = self.data.batch(shard=self.replica, step=step, batch_size=BATCH_SIZE,
+        batch = self.data.batch(shard=self.replica, step=step, batch_size=self.batch_size,
                                 seq_len=cfg.seq_len)
         self.optimizer.zero_grad()
         loss = self.model.loss(batch)
@@ -230,7 +240,10 @@ def main(
     out: Path = typer.Option(..., help="Where to write the JSON result."),
     generation: int = typer.Option(0, help="How many times this replica was restarted before."),
     model_params: Optional[int] = typer.Option(
-        None, help="Approximate model size; the workload's small default when omitted."),
+        None, help="Approximate model size; the workload's small default when omitted or 0."),
+    batch_size: int = typer.Option(BATCH_SIZE, min=1, help="Sequences per replica and step."),
+    lr: float = typer.Option(LEARNING_RATE, help="AdamW's learning rate."),
+    seed: int = typer.Option(SEED, help="Seeds the model and the language."),
     sleep_per_step: float = typer.Option(0.0, help="Seconds to sleep after each step."),
     last_step_file: Optional[Path] = typer.Option(
         None, help="Train to the step this file names instead of --steps, and on until the "
@@ -242,7 +255,8 @@ def main(
     torch.set_num_threads(1)
     for name in TORCHFT_TIMEOUT_ENVS:
         os.environ.pop(name, None)
-    trainer = Trainer(replica=replica, model_params=model_params)
+    trainer = Trainer(replica=replica, model_params=model_params, batch_size=batch_size, lr=lr,
+                      seed=seed)
     # The store must outlive the manager: it is the replica group's rendezvous server.
     manager, _store = build_manager(trainer)
     try:

@@ -7,6 +7,10 @@ timelines (kill or join times, each replica's commits); computing stalls is left
 Processes: the lighthouse runs as torchft's ``torchft_lighthouse`` binary, each replica as
 ``python -m ftsystem.baselines.torchft_replica`` in its own session (process group), so that
 cleanup can kill whatever a replica started. Logs land in ``workdir``.
+
+What the replicas train (``model_params``, ``batch_size``, ``lr``, ``seed``, ``sleep_per_step``)
+is passed on as the replica program's options; a benchmark takes them from the run's spec
+(``ftsystem.benchmarks.harness.torchft_training``), so torchft trains what the other systems do.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Callable, Optional
 
 import ftsystem
 from ftsystem.baselines import torchft_replica
-from ftsystem.baselines.torchft_replica import progress_path
+from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED, progress_path
 from ftsystem.control.etcd_server import free_port
 from ftsystem.launch.procs import kill_and_reap, wait_listening
 
@@ -116,7 +120,9 @@ def manager_defaults() -> dict[str, float]:
     return out
 
 
-def torchft_settings(lighthouse: Optional[LighthouseSettings] = None) -> dict[str, object]:
+def torchft_settings(lighthouse: Optional[LighthouseSettings] = None, *,
+                     batch_size: int = BATCH_SIZE, lr: float = LEARNING_RATE
+                     ) -> dict[str, object]:
     """Every torchft setting the baseline runs with, for the benchmark's record."""
     if lighthouse is None:
         settings = {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
@@ -124,7 +130,8 @@ def torchft_settings(lighthouse: Optional[LighthouseSettings] = None) -> dict[st
                     "min_replicas": MIN_REPLICAS}
     else:
         settings = lighthouse.effective()
-    return {"lighthouse": settings, "manager": torchft_replica.manager_settings()}
+    return {"lighthouse": settings,
+            "manager": torchft_replica.manager_settings(batch_size=batch_size, lr=lr)}
 
 
 def lighthouse_binary() -> Optional[str]:
@@ -140,6 +147,28 @@ def _replica_env(lighthouse_addr: str) -> dict[str, str]:
     pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     return dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse_addr, PYTHONPATH=pythonpath,
                 OMP_NUM_THREADS="1")
+
+
+def replica_file(workdir: Path, index: int, generation: int, suffix: str) -> Path:
+    """A file of generation ``generation`` of replica ``index`` (``.log``: its output,
+    ``.json``: its result)."""
+    return workdir / f"replica{index}_gen{generation}{suffix}"
+
+
+_REPLICA_LOG = re.compile(r"replica(\d+)_gen(\d+)\.log")
+
+
+def commit_timelines(workdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each replica's commits (by index), every generation's in turn, from the progress
+    files the replicas of a run in ``workdir`` appended; a result holds its last generation's
+    only."""
+    generations: dict[int, list[int]] = {}
+    for path in workdir.glob("replica*_gen*.log"):
+        if found := _REPLICA_LOG.fullmatch(path.name):
+            generations.setdefault(int(found[1]), []).append(int(found[2]))
+    return {str(index): [commit for generation in sorted(started) for commit in _read_progress(
+                progress_path(replica_file(workdir, index, generation, ".json")))]
+            for index, started in sorted(generations.items())}
 
 
 def _read_progress(path: Path) -> list[tuple[int, float]]:
@@ -174,7 +203,7 @@ class _Replica:
 
     def path(self, suffix: str, generation: Optional[int] = None) -> Path:
         generation = self.generation if generation is None else generation
-        return self.workdir / f"replica{self.index}_gen{generation}{suffix}"
+        return replica_file(self.workdir, self.index, generation, suffix)
 
     def start(self) -> None:
         """Start the next generation of this replica, as torchrun would after a failure."""
@@ -305,10 +334,13 @@ class _Cluster:
             kill_and_reap(self.lighthouse)
 
 
-def _replica_argv(steps: int, model_params: Optional[int], sleep_per_step: float,
-                  last_step_file: Optional[Path] = None) -> list[str]:
+def replica_command(*, steps: int, model_params: Optional[int], sleep_per_step: float,
+                    batch_size: int = BATCH_SIZE, lr: float = LEARNING_RATE, seed: int = SEED,
+                    last_step_file: Optional[Path] = None) -> list[str]:
+    """A replica's command line but for the options its supervisor adds per start (pure)."""
     argv = [sys.executable, "-m", "ftsystem.baselines.torchft_replica", "--steps", str(steps),
-            "--sleep-per-step", str(sleep_per_step)]
+            "--sleep-per-step", str(sleep_per_step), "--batch-size", str(batch_size),
+            "--lr", str(lr), "--seed", str(seed)]
     if model_params is not None:
         argv += ["--model-params", str(model_params)]
     if last_step_file is not None:
@@ -334,7 +366,8 @@ def _warmed_up(cluster: _Cluster) -> bool:
 def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int,
                          model_params: Optional[int], workdir: Path, kill_interval_s: float,
                          victim: int = 1, sleep_per_step: float = 0.0,
-                         timeout_s: float = 600.0, down_s: float = 0.0,
+                         batch_size: int = BATCH_SIZE, lr: float = LEARNING_RATE,
+                         seed: int = SEED, timeout_s: float = 600.0, down_s: float = 0.0,
                          lighthouse: Optional[LighthouseSettings] = None,
                          until_rejoined: bool = False) -> dict:
     """Train ``num_replicas`` torchft replicas and SIGKILL ``victim`` ``num_failures`` times.
@@ -360,7 +393,8 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
         raise ValueError(f"victim {victim} is not one of the {num_replicas} replicas")
     failures: list[float] = []
     last_step_file = workdir / "last_step" if until_rejoined else None
-    argv = _replica_argv(steps, model_params, sleep_per_step, last_step_file)
+    argv = replica_command(steps=steps, model_params=model_params, sleep_per_step=sleep_per_step,
+                           batch_size=batch_size, lr=lr, seed=seed, last_step_file=last_step_file)
     with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s,
                   lighthouse_settings=lighthouse) as cluster:
         for index in range(num_replicas):
@@ -384,12 +418,13 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
         cluster.wait_until(cluster.all_finished, "all replicas to finish")
         return {"failures": failures, "rejoins": target.rejoin_times(),
                 "results": cluster.results(), "crashed": cluster.crashed,
-                "settings": torchft_settings(lighthouse)}
+                "settings": torchft_settings(lighthouse, batch_size=batch_size, lr=lr)}
 
 
 def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optional[int],
-                       workdir: Path, sleep_per_step: float = 0.0, timeout_s: float = 600.0,
-                       joiner_niceness: int = 0,
+                       workdir: Path, sleep_per_step: float = 0.0,
+                       batch_size: int = BATCH_SIZE, lr: float = LEARNING_RATE, seed: int = SEED,
+                       timeout_s: float = 600.0, joiner_niceness: int = 0,
                        wait_to_join: Callable[[Callable[[], list]], None] = lambda _: None
                        ) -> dict:
     """Train ``num_replicas`` torchft replicas, then start one more once
@@ -400,7 +435,8 @@ def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optio
     (unix time the joiner was launched), ``time_to_join`` (seconds until its first commit),
     ``results``, ``crashed`` and ``settings``.
     """
-    argv = _replica_argv(steps, model_params, sleep_per_step)
+    argv = replica_command(steps=steps, model_params=model_params, sleep_per_step=sleep_per_step,
+                           batch_size=batch_size, lr=lr, seed=seed)
     with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s) as cluster:
         for index in range(num_replicas):
             cluster.add_replica(index)
@@ -414,4 +450,4 @@ def run_torchft_rejoin(*, num_replicas: int = 2, steps: int, model_params: Optio
         return {"join_started": join_started,
                 "time_to_join": first[0][1] - join_started if first else None,
                 "results": results, "crashed": cluster.crashed,
-                "settings": torchft_settings()}
+                "settings": torchft_settings(batch_size=batch_size, lr=lr)}

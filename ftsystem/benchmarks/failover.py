@@ -17,14 +17,17 @@ torchft has no agent: the equivalent is a SIGKILL of the victim replica's whole 
 once, restarted ``--down`` seconds later; it runs at torchft's default lighthouse timing and at a
 1 s heartbeat timeout.
 
-Both scenarios run ``--rounds`` rounds, the order of the systems alternated per round
-(``report.in_rounds``); the JSON gives every counted failure's stall and each round's median.
+Every system trains one spec (``harness.RunSpec``): the same replicas, model, batch, learning
+rate and data (the example program's defaults), steps and emulated compute; each run records it
+(``spec``). Both scenarios run ``--rounds`` rounds, the order of the systems alternated per round
+(``report.in_rounds``, the machine's load in ``round_log``); the JSON gives every counted
+failure's stall and each round's median.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import math
 import os
 import shutil
@@ -37,13 +40,15 @@ from typing import Optional
 
 import typer
 
+from ftsystem.benchmarks import harness
+from ftsystem.benchmarks.harness import RunSpec
 from ftsystem.control import keys
 
 from ftsystem.measure import report, stall
 from ftsystem.chaos.spec import ChaosSpec
 from ftsystem.cli import bench_app
 from ftsystem.control.etcd_server import EmbeddedEtcd
-from ftsystem.launch.launcher import RunConfig, replica_id, run_job
+from ftsystem.launch.launcher import replica_id, run_job
 from ftsystem.control.store import Store
 
 VICTIM = 1
@@ -65,6 +70,8 @@ HOST_DOWN_S = 2.0
 HOST_TIMEOUT_S = 30.0
 """ftsystem's one timeout in the host scenario: the default (``RunConfig.timeout_s``, lease
 TTL 10 s); the point is what a host failure costs at defaults."""
+TORCHFT_HOST_TIMEOUT_S = 3600.0
+"""How long torchft's replicas may take to finish the host scenario."""
 VICTIM_TRAINING_S = 3.0
 """A failure counts only if the victim committed within this long before it: it was a member
 then (not still restarting from the previous failure)."""
@@ -72,6 +79,8 @@ TORCHFT_SETTINGS = ("torchft", "torchft_1s")
 """The torchft runs of the host scenario: at torchft's default lighthouse timing, and at the
 1 s heartbeat timeout of the process scenario (``torchft_scenario`` constants)."""
 SYSTEMS = ("ftsystem", *TORCHFT_SETTINGS)
+FIGURES = {"round_median_stall_s": "stall_s.median", "step_s": "step_s.median"}
+"""What each round gives, reported over the rounds (see ``report.per_round``)."""
 
 
 def _registration(etcd: str, job: str, rid: str) -> dict | None:
@@ -89,14 +98,12 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def run_ftsystem(*, num_replicas: int, num_failures: int, steps: int, kill_interval_s: float,
-                 sleep_per_step: float, model_params: int, workdir: Path) -> dict:
+def run_ftsystem(spec: RunSpec, *, num_failures: int, kill_interval_s: float,
+                 workdir: Path) -> dict:
     """The scenario on ftsystem: ``run_job`` in a thread, kills from this one."""
     with EmbeddedEtcd(data_dir=workdir / "etcd") as etcd:
-        cfg = RunConfig(num_replicas=num_replicas, num_steps=steps, etcd=etcd.url,
-                        job="failover", out_dir=workdir / "run", show_progress=False,
-                        train_args=["--sleep-per-step", str(sleep_per_step),
-                                    "--model-params", str(model_params), "--loop", "plain"])
+        cfg = harness.ftsystem_config(spec, etcd=etcd.url, job="failover",
+                                      out_dir=workdir / "run")
         summaries: list[dict] = []
         runner = threading.Thread(target=lambda: summaries.append(run_job(cfg)), daemon=True)
         runner.start()
@@ -104,9 +111,7 @@ def run_ftsystem(*, num_replicas: int, num_failures: int, steps: int, kill_inter
         kills = _kill_repeatedly(etcd.url, cfg.job, victim, num_failures, kill_interval_s,
                                  runner)
         runner.join()
-    results = {p.stem: json.loads(p.read_text())
-               for p in (workdir / "run" / "results").glob("*.json")}
-    return _stalls({rid: r["commits"] for rid, r in results.items()}, kills, victim) | {
+    return _stalls(harness.read_timelines("ftsystem", cfg.out_dir), kills, victim) | {
         "bitwise_identical": summaries[0]["bitwise_identical"] if summaries else None,
         "ettr_time": summaries[0]["ettr_time"] if summaries else None}
 
@@ -134,19 +139,14 @@ def _kill_repeatedly(etcd: str, job: str, victim: str, num_failures: int,
     return kills
 
 
-def run_torchft(*, num_replicas: int, num_failures: int, steps: int, kill_interval_s: float,
-                sleep_per_step: float, model_params: int, workdir: Path,
+def run_torchft(spec: RunSpec, *, num_failures: int, kill_interval_s: float, workdir: Path,
                 setting: str = "torchft_1s") -> dict:
     """The scenario on torchft; ``setting`` as in ``TORCHFT_SETTINGS``."""
     from ftsystem.baselines.torchft_scenario import run_torchft_failover
-    out = run_torchft_failover(num_replicas=num_replicas, num_failures=num_failures,
-                               steps=steps, model_params=model_params or None,
+    out = run_torchft_failover(**harness.torchft_training(spec), num_failures=num_failures,
                                workdir=workdir, kill_interval_s=kill_interval_s, victim=VICTIM,
-                               sleep_per_step=sleep_per_step, lighthouse=_lighthouse(setting),
-                               until_rejoined=True)
-    timelines = {str(r["replica"]): r["commits"] for r in out["results"]}
-    victim = next((rid for rid in timelines if rid.endswith(str(VICTIM))), str(VICTIM))
-    return _stalls(timelines, out["failures"], victim) | {
+                               lighthouse=_lighthouse(setting), until_rejoined=True)
+    return _stalls(harness.read_timelines("torchft", workdir), out["failures"], str(VICTIM)) | {
         "bitwise_identical": len({r["state_hash"] for r in out["results"]}) == 1,
         "crashed": out["crashed"], "settings": out["settings"]}
 
@@ -248,30 +248,33 @@ def run_process_bench(*, num_failures: int, kill_interval_s: float, sleep_per_st
                       model_params: int, rounds: int, systems: list[str],
                       num_replicas: int = 4, steps: int = 0) -> dict:
     """The process scenario on ``systems`` (ftsystem, torchft at its defaults and at 1 s),
-    ``rounds`` times, the order alternated per round. ftsystem trains ``steps`` (0: enough for
-    the failures) and its victim catches up from the survivors even once they are done;
+    ``rounds`` times, the order alternated per round. Every system trains ``steps`` (0: enough
+    for the failures); ftsystem's victim catches up from the survivors even once they are done,
     torchft's survivors train on until the victim has rejoined after its last kill."""
-    steps = steps or int((num_failures + 2) * kill_interval_s / sleep_per_step)
-    scenario = dict(num_replicas=num_replicas, num_failures=num_failures, steps=steps,
-                    kill_interval_s=kill_interval_s, sleep_per_step=sleep_per_step,
-                    model_params=model_params)
+    spec = RunSpec(num_replicas=num_replicas, model_params=model_params,
+                   sleep_per_step=sleep_per_step,
+                   steps=steps or int((num_failures + 2) * kill_interval_s / sleep_per_step))
+    failures = dict(num_failures=num_failures, kill_interval_s=kill_interval_s)
 
     def run(name: str, r: int, root: Path) -> dict:
         print(f"failover: round {r + 1}/{rounds}: {name}", flush=True)
         where = root / f"round{r}" / name
         try:
-            out = (run_ftsystem(**scenario, workdir=where) if name == "ftsystem"
-                   else run_torchft(**scenario, workdir=where, setting=name))
+            out = (run_ftsystem(spec, **failures, workdir=where) if name == "ftsystem"
+                   else run_torchft(spec, **failures, workdir=where, setting=name))
         except Exception as e:  # the other runs still count; this one is reported
             print(f"failover: {name} failed: {e!r}", flush=True)
             out = {"error": f"{type(e).__name__}: {e}", "bitwise_identical": False}
-        return out | {"round": r}
+        return out | harness.ran_with(name, spec)
 
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-failover-") as tmp:
-        runs = report.in_rounds(systems, rounds, lambda name, r: run(name, r, Path(tmp)))
+        runs, log = report.in_rounds(systems, rounds, lambda name, r: run(name, r, Path(tmp)))
     ours = _aggregate(runs["ftsystem"])
-    data = {"scenario": scenario | {"rounds": rounds, "victim": replica_id(VICTIM)},
-            "ftsystem": ours}
+    data = {"scenario": failures | {"num_replicas": spec.num_replicas, "steps": spec.steps,
+                                    "sleep_per_step": spec.sleep_per_step,
+                                    "model_params": spec.model_params, "rounds": rounds,
+                                    "victim": replica_id(VICTIM)},
+            "spec": dataclasses.asdict(spec), "ftsystem": ours}
     for name in TORCHFT_SETTINGS:
         theirs = _aggregate(runs[name]) if name in runs else None
         data[name] = theirs
@@ -281,7 +284,8 @@ def run_process_bench(*, num_failures: int, kill_interval_s: float, sleep_per_st
         from ftsystem.baselines.torchft_scenario import lighthouse_defaults, manager_defaults
         data["torchft_defaults"] = {"lighthouse": lighthouse_defaults(),
                                     "manager": manager_defaults()}
-    return data | {"target": "ftsystem median stall <= 0.5 s", "machine": report.machine()}
+    return data | {"round_log": log, "target": "ftsystem median stall <= 0.5 s",
+                   "machine": report.machine()}
 
 
 def print_process_table(data: dict) -> None:
@@ -338,26 +342,23 @@ def host_steps(*, num_failures: int, interval_s: float, sleep_per_step: float,
     return WARMUP_STEPS + math.ceil((num_failures + 0.5) * interval_s / step_s)
 
 
-def run_ftsystem_host(*, num_replicas: int, num_failures: int, steps: int, interval_s: float,
-                      down_s: float, sleep_per_step: float, model_params: int,
-                      nodes_per_replica: int, workdir: Path, seed: int = 0) -> dict:
+def run_ftsystem_host(spec: RunSpec, *, num_failures: int, interval_s: float, down_s: float,
+                      nodes_per_replica: int, workdir: Path, chaos_seed: int = 0) -> dict:
     """The host scenario on ftsystem: ``run_job`` with every node in a network namespace, its
-    own embedded etcd, the default timeout, and the failures as ``host-kill`` orders."""
+    own embedded etcd, the spec's (default) timeout, and the failures as ``host-kill``
+    orders."""
     victim = replica_id(VICTIM)
-    cfg = RunConfig(num_replicas=num_replicas, num_steps=steps, job="failover-host",
-                    out_dir=workdir / "run", show_progress=False, netns=True,
-                    nodes_per_replica=nodes_per_replica, timeout_s=HOST_TIMEOUT_S,
-                    chaos=host_chaos(num_failures=num_failures, interval_s=interval_s,
-                                     down_s=down_s, victim=victim, warmup_steps=WARMUP_STEPS,
-                                     step_estimate_s=host_step_estimate(sleep_per_step,
-                                                                        nodes_per_replica),
-                                     seed=seed),
-                    train_args=["--sleep-per-step", str(sleep_per_step),
-                                "--model-params", str(model_params), "--loop", "plain"])
+    cfg = harness.ftsystem_config(
+        spec, job="failover-host", out_dir=workdir / "run", netns=True,
+        nodes_per_replica=nodes_per_replica,
+        chaos=host_chaos(num_failures=num_failures, interval_s=interval_s, down_s=down_s,
+                         victim=victim, warmup_steps=WARMUP_STEPS,
+                         step_estimate_s=host_step_estimate(spec.sleep_per_step,
+                                                            nodes_per_replica),
+                         seed=chaos_seed))
     started = time.time()
     summary = run_job(cfg)
-    results = cfg.out_dir / "results"
-    timelines = {p.stem: stall.read_timeline(p) for p in sorted(results.glob("*.commits"))}
+    timelines = harness.read_timelines("ftsystem", cfg.out_dir)
     orders = sorted((o for o in summary.get("chaos", []) if o["action"] == "host-kill"),
                     key=lambda o: o["executed_at"] or float("inf"))
     not_done = [o for o in orders if o["state"] != "done" or o["executed_at"] is None]
@@ -374,24 +375,19 @@ def run_ftsystem_host(*, num_replicas: int, num_failures: int, steps: int, inter
                               "at_s": f["time"] - started} for f in summary["failures"]]}
 
 
-def run_torchft_host(*, num_replicas: int, num_failures: int, steps: int, interval_s: float,
-                     down_s: float, sleep_per_step: float, model_params: int, workdir: Path,
-                     setting: str) -> dict:
+def run_torchft_host(spec: RunSpec, *, num_failures: int, interval_s: float, down_s: float,
+                     workdir: Path, setting: str) -> dict:
     """The host scenario on torchft: the victim's process tree SIGKILLed at once, restarted
     ``down_s`` later; ``setting`` "torchft" is torchft's default lighthouse timing, "torchft_1s"
     the 1 s heartbeat timeout of the process scenario."""
     from ftsystem.baselines.torchft_scenario import run_torchft_failover
-    lighthouse = _lighthouse(setting)
     started = time.time()
-    out = run_torchft_failover(num_replicas=num_replicas, num_failures=num_failures,
-                               steps=steps, model_params=model_params or None, workdir=workdir,
-                               kill_interval_s=interval_s, victim=VICTIM,
-                               sleep_per_step=sleep_per_step, down_s=down_s,
-                               lighthouse=lighthouse, timeout_s=3600.0)
-    timelines = {str(r["replica"]): r["commits"] for r in out["results"]}
-    # The victim's result holds its last generation only: whether it was training at a
-    # failure needs every generation's commits.
-    timelines[str(VICTIM)] = _torchft_commits(workdir, VICTIM)
+    out = run_torchft_failover(**harness.torchft_training(spec), num_failures=num_failures,
+                               workdir=workdir, kill_interval_s=interval_s, victim=VICTIM,
+                               down_s=down_s, lighthouse=_lighthouse(setting),
+                               timeout_s=TORCHFT_HOST_TIMEOUT_S)
+    # Every generation's commits: whether the victim was training at a failure needs them.
+    timelines = harness.read_timelines("torchft", workdir)
     faults = [{"at": t, "at_s": t - started} for t in out["failures"]]
     hashes = {r["state_hash"] for r in out["results"]}
     return _host_stalls(timelines, faults, str(VICTIM)) | {
@@ -399,15 +395,6 @@ def run_torchft_host(*, num_replicas: int, num_failures: int, steps: int, interv
         "rejoin_s": [None if r is None else r - t for r, t in zip(out["rejoins"],
                                                                  out["failures"])],
         "settings": out["settings"]}
-
-
-def _torchft_commits(workdir: Path, index: int) -> list[tuple[int, float]]:
-    """Every generation's commits of torchft replica ``index``, from its progress files."""
-    from ftsystem.baselines.torchft_replica import progress_path
-    generations = sorted(int(p.name.split("_gen")[1].split(".")[0])
-                         for p in workdir.glob(f"replica{index}_gen*.json.progress"))
-    return [c for g in generations for c in stall.read_timeline(
-        progress_path(workdir / f"replica{index}_gen{g}.json"))]
 
 
 def _host_stalls(timelines: dict, faults: list[dict], victim: str) -> dict:
@@ -432,53 +419,57 @@ def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: flo
                    sleep_per_step: float, model_params: int, layouts: list[int],
                    torchft_settings: list[str], workdir: Optional[Path],
                    steps: int = 0, num_replicas: int = 4) -> dict:
-    """Every system of the host scenario, ``rounds`` times, the order alternated per round."""
+    """Every system of the host scenario, ``rounds`` times, the order alternated per round.
+    Every system trains ``steps`` (0: the most that any of them needs to outlast its last
+    failure, ``host_steps``)."""
     from ftsystem.launch.netns import netns_supported
     if (why := netns_supported()) is not None:
         raise RuntimeError(f"bench failover --scenario host: {why}")
     layouts = list(dict.fromkeys(layouts)) or [1]
     if any(n < 1 for n in layouts):
         raise ValueError(f"--nodes-per-replica must be at least 1, not {layouts}")
-    common = dict(num_replicas=num_replicas, num_failures=failures, down_s=down_s,
-                  sleep_per_step=sleep_per_step, model_params=model_params)
     systems = [f"ftsystem_{n}" for n in layouts] + torchft_settings
     # torchft's replica is one process: its runs are sized and timed like a one-node replica.
     nodes = {name: int(name.split("_")[1]) if name.startswith("ftsystem_") else 1
              for name in systems}
     intervals = {name: host_interval(interval_s, nodes[name]) for name in systems}
-    planned = {name: steps or host_steps(
-        num_failures=failures, interval_s=intervals[name], sleep_per_step=sleep_per_step,
-        nodes_per_replica=nodes[name]) for name in systems}
-    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    spec = RunSpec(num_replicas=num_replicas, model_params=model_params,
+                   sleep_per_step=sleep_per_step, timeout_s=HOST_TIMEOUT_S,
+                   steps=steps or max(host_steps(
+                       num_failures=failures, interval_s=intervals[name],
+                       sleep_per_step=sleep_per_step, nodes_per_replica=nodes[name])
+                       for name in systems))
+    common = dict(num_failures=failures, down_s=down_s)
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ftsystem-bench-host-"))
+
+    def run(name: str, r: int) -> dict:
+        where = root / f"round{r}" / name
+        print(f"failover host: round {r + 1}/{rounds}: {name}", flush=True)
+        try:
+            if name.startswith("ftsystem_"):
+                out = run_ftsystem_host(spec, **common, workdir=where,
+                                        interval_s=intervals[name],
+                                        nodes_per_replica=nodes[name], chaos_seed=r * 100)
+            else:
+                out = run_torchft_host(spec, **common, workdir=where,
+                                       interval_s=intervals[name], setting=name)
+        except Exception as e:  # the other runs still count; this one is reported
+            print(f"failover host: {name} failed: {e!r}", flush=True)
+            out = {"error": f"{type(e).__name__}: {e}", "bitwise_identical": False}
+        # Under --workdir, if kept.
+        return out | {"out_dir": str(where.relative_to(root))} | harness.ran_with(name, spec)
+
     try:
-        for r in range(rounds):
-            for name in (systems if r % 2 == 0 else systems[::-1]):
-                where = root / f"round{r}" / name
-                print(f"failover host: round {r + 1}/{rounds}: {name}", flush=True)
-                try:
-                    if name.startswith("ftsystem_"):
-                        run = run_ftsystem_host(**common, steps=planned[name], workdir=where,
-                                                interval_s=intervals[name],
-                                                nodes_per_replica=nodes[name], seed=r * 100)
-                    else:
-                        run = run_torchft_host(**common, steps=planned[name], workdir=where,
-                                               interval_s=intervals[name], setting=name)
-                except Exception as e:  # the other runs still count; this one is reported
-                    print(f"failover host: {name} failed: {e!r}", flush=True)
-                    run = {"error": f"{type(e).__name__}: {e}", "bitwise_identical": False}
-                run["round"] = r
-                run["out_dir"] = str(where.relative_to(root))  # under --workdir, if kept
-                runs[name].append(run)
+        runs, log = report.in_rounds(systems, rounds, run)
     finally:
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     setup = {"num_replicas": num_replicas, "victim": replica_id(VICTIM),
              "failures_per_round": failures, "rounds": rounds, "interval_s": intervals,
-             "down_s": down_s, "steps": planned,
+             "down_s": down_s, "steps": spec.steps,
              "sleep_per_step": sleep_per_step, "model_params": model_params,
-             "warmup_steps": WARMUP_STEPS, "ftsystem_timeout_s": HOST_TIMEOUT_S,
-             "victim_training_s": VICTIM_TRAINING_S}
+             "warmup_steps": WARMUP_STEPS, "ftsystem_timeout_s": spec.timeout_s,
+             "victim_training_s": VICTIM_TRAINING_S, "spec": dataclasses.asdict(spec)}
     torchft = {name: _aggregate(runs[name]) for name in TORCHFT_SETTINGS if name in runs}
     if torchft:
         from ftsystem.baselines.torchft_scenario import lighthouse_defaults, manager_defaults
@@ -509,36 +500,32 @@ def run_host_bench(*, failures: int, rounds: int, interval_s: float, down_s: flo
             "ftsystem": top["ftsystem"], "torchft": torchft.get("torchft"),
             "torchft_1s": torchft.get("torchft_1s"),
             **{k: v for k, v in top.items() if k != "ftsystem"},
-            "layouts": {f"nodes_per_replica_{n}": layout(n) for n in others},
+            "layouts": {f"nodes_per_replica_{n}": layout(n) for n in others}, "round_log": log,
             "target": "ftsystem median stall <= 2 s at defaults, below torchft's at its defaults",
             "machine": report.machine()}
 
 
 def _aggregate(runs: list[dict]) -> dict:
-    """One system's figures over its rounds: every counted failure, and each round's median
-    (a run that failed counts no failure and is listed under ``errors``)."""
+    """One system over its rounds: every counted failure, each round's median, and the spread
+    of the rounds' figures (a run that failed counts no failure and is listed under
+    ``errors``)."""
     done = [run for run in runs if "error" not in run]
     stalls = [s for run in done for s in run["per_failure_stall_s"]]
-    return {"failures": len(stalls), "stall_s": stall.distribution(stalls),
+    return {**report.over_rounds(runs, FIGURES),
+            "failures": len(stalls), "stall_s": stall.distribution(stalls),
             "per_failure_stall_s": stalls,
             "per_round_median_stall_s": [run.get("stall_s", {}).get("median") for run in runs],
             "bitwise_identical": all(run["bitwise_identical"] for run in runs) and bool(runs),
-            "step_s": stall.distribution([run["step_s"]["median"] for run in done
-                                          if run["step_s"]["median"] is not None]),
             "settings": next((run["settings"] for run in done if "settings" in run), None),
             "errors": [{"round": run["round"], "error": run["error"]} for run in runs
-                       if "error" in run],
-            "rounds": runs}
+                       if "error" in run]}
 
 
 def _ratio_spread(theirs_runs: list[dict], ours_runs: list[dict], theirs: dict,
                   ours: dict) -> dict:
     """torchft's median stall over ftsystem's: overall, and per round (paired by round)."""
-    medians = [(t.get("stall_s", {}).get("median"), o.get("stall_s", {}).get("median"))
-               for t, o in zip(theirs_runs, ours_runs)]
-    per_round = [t / o for t, o in medians if t and o]
-    return {"value": _ratio(theirs, ours), "per_round": per_round,
-            "min": min(per_round, default=None), "max": max(per_round, default=None)}
+    return report.paired_ratio(theirs_runs, ours_runs, "stall_s.median") | {
+        "value": _ratio(theirs, ours)}
 
 
 def print_host_table(data: dict) -> None:
@@ -559,7 +546,7 @@ def print_host_table(data: dict) -> None:
     for key in [k for k in data if k.startswith("median_stall_ratio_")]:
         ratio = data[key]
         if ratio["value"] is not None:
-            spread = ", ".join(f"{r:.3g}" for r in ratio["per_round"])
+            spread = ", ".join("-" if r is None else f"{r:.3g}" for r in ratio["per_round"])
             print(f"{key}: {ratio['value']:.3g} (per round: {spread})")
 
 

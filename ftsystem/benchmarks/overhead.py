@@ -15,12 +15,15 @@ optimizer and number of replicas (one process each, one compute thread each) on 
   (``ftsystem bench fingerprint`` times the digest alone);
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
 
-Every system runs the same minimal loop (``ftsystem.example.train --loop plain``: averaged gradients,
-then ``optimizer.step()``), as the baselines do.
+Every system trains one spec (``harness.RunSpec``: the example program's batch, learning rate
+and seed at every size) in the same minimal loop (``ftsystem.example.train --loop plain``:
+averaged gradients, then ``optimizer.step()``), as the baselines do; each system's runs record
+it (``runs`` in the JSON).
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
 ``warmup`` commits (start-up, first allocations) and up to the last one; the job's figure is the
-median over its replicas (they step in lockstep). No failure is injected.
+median over its replicas (they step in lockstep). No failure is injected. ``--rounds N`` runs
+every system N times, the order alternated per round, the machine's load recorded per round.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from typing import Annotated
 
 import typer
 
+from ftsystem.benchmarks import harness
+from ftsystem.benchmarks.harness import RunSpec
 from ftsystem.measure import report
 from ftsystem.cli import bench_app
 
@@ -120,14 +125,13 @@ def ratios(rates: dict[str, float | None]) -> dict[str, float | None]:
 
 # --- plain DDP ----------------------------------------------------------------------------------
 
-def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
-                out: Path) -> None:
+def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int, batch_size: int,
+                lr: float, seed: int, sleep_per_step: float, out: Path) -> None:
     """One DDP rank: train ``steps`` steps, write the commit timeline to ``out/rank<R>.json``."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
     from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
 
     class Loss(torch.nn.Module):
@@ -144,17 +148,19 @@ def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int,
     dist.init_process_group("gloo", init_method=rendezvous_file(out).as_uri(), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = TinyGPT(ModelConfig.for_params(model_params) if model_params else ModelConfig())
     ddp = DistributedDataParallel(Loss(model))
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
-    language = MarkovLanguage(vocab_size=model.cfg.vocab_size, seed=SEED)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr)
+    language = MarkovLanguage(vocab_size=model.cfg.vocab_size, seed=seed)
     commits = []
     for step in range(steps):
-        batch = language.batch(shard=rank, step=step, batch_size=BATCH_SIZE,
+        batch = language.batch(shard=rank, step=step, batch_size=batch_size,
                                seq_len=model.cfg.seq_len)
         optimizer.zero_grad()
         ddp(batch).backward()
+        if sleep_per_step:
+            time.sleep(sleep_per_step)
         optimizer.step()
         commits.append((step + 1, time.time()))
     result = out / f"rank{rank}.json"
@@ -170,14 +176,12 @@ def rendezvous_file(workdir: Path) -> Path:
     return workdir / "rendezvous"
 
 
-def run_ddp(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
+def run_ddp(spec: RunSpec, workdir: Path) -> dict[str, list]:
     """Plain DDP, one process per rank; returns each rank's commit timeline."""
-    run_ranks("DDP", lambda rank: [
-        "-m", "ftsystem.benchmarks.overhead", "--rank", str(rank), "--world-size", str(replicas),
-        "--steps", str(steps), "--model-params", str(params), "--out", str(workdir)],
-        world_size=replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S,
-        finished=lambda rank: (workdir / f"rank{rank}.json").exists())
-    return [json.loads(p.read_text())["commits"] for p in sorted(workdir.glob("rank*.json"))]
+    run_ranks("DDP", lambda rank: harness.ddp_rank_command(spec, rank, workdir),
+              world_size=spec.num_replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S,
+              finished=lambda rank: (workdir / f"rank{rank}.json").exists())
+    return harness.read_timelines("ddp", workdir)
 
 
 def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int,
@@ -233,44 +237,32 @@ def _wait_all(procs: list, timeout_s: float,
 
 # --- ftsystem and torchft -------------------------------------------------------------------------
 
-def run_ftsystem(*, params: int, steps: int, replicas: int, workdir: Path,
-                 overlap: str = "auto", fingerprint_every: int | None = None) -> list[list]:
+def run_ftsystem(spec: RunSpec, workdir: Path, *, overlap: str = "auto",
+                 fingerprint_every: int | None = None) -> dict[str, list]:
     """``run_job`` without failures; returns each replica's commit timeline."""
-    from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED
-    from ftsystem.launch.launcher import RunConfig, run_job
+    from ftsystem.launch.launcher import run_job
 
-    train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
-                  "--lr", str(LEARNING_RATE), "--seed", str(SEED),
-                  "--overlap", overlap, "--loop", "plain"]
-    cfg = RunConfig(num_replicas=replicas, num_steps=steps, job="overhead",
-                    out_dir=workdir, train_args=train_args, show_progress=False)
-    saved = os.environ.get(ENV_FINGERPRINT_EVERY)
-    if fingerprint_every is not None:  # the agents pass it on to the replicas
-        os.environ[ENV_FINGERPRINT_EVERY] = str(fingerprint_every)
-    try:
+    cfg = harness.ftsystem_config(spec, variant=["--overlap", overlap], job="overhead",
+                                  out_dir=workdir)
+    # The agents pass it on to the replicas.
+    digests = {} if fingerprint_every is None else {ENV_FINGERPRINT_EVERY: str(fingerprint_every)}
+    with harness.environment(digests):
         summary = run_job(cfg)
-    finally:
-        if saved is None:
-            os.environ.pop(ENV_FINGERPRINT_EVERY, None)
-        else:
-            os.environ[ENV_FINGERPRINT_EVERY] = saved
-    if not summary["agents_ok"] or summary["steps"] != steps:
-        raise RuntimeError(f"ftsystem run failed ({summary['steps']} of {steps} steps); "
+    if not summary["agents_ok"] or summary["steps"] != spec.steps:
+        raise RuntimeError(f"ftsystem run failed ({summary['steps']} of {spec.steps} steps); "
                            f"see the logs in {workdir}")
-    return [json.loads(p.read_text())["commits"]
-            for p in sorted((workdir / "results").glob("*.json"))]
+    return harness.read_timelines("ftsystem", workdir)
 
 
-def run_torchft(*, params: int, steps: int, replicas: int, workdir: Path) -> list[list]:
+def run_torchft(spec: RunSpec, workdir: Path) -> dict[str, list]:
     """torchft 0.2.0's failover scenario with no failure; returns the commit timelines."""
     from ftsystem.baselines.torchft_scenario import run_torchft_failover
 
-    out = run_torchft_failover(num_replicas=replicas, num_failures=0, steps=steps,
-                               model_params=params, workdir=workdir, kill_interval_s=0.0,
-                               victim=0)
+    out = run_torchft_failover(**harness.torchft_training(spec), num_failures=0, workdir=workdir,
+                               kill_interval_s=0.0, victim=0)
     if out["crashed"]:
         raise RuntimeError(f"torchft replicas crashed without a failure: {out['crashed']}")
-    return [r["commits"] for r in out["results"]]
+    return harness.read_timelines("torchft", workdir)
 
 
 RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
@@ -280,34 +272,65 @@ RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
            "torchft": run_torchft}
 
 
-def measure(params: int, *, steps: int, replicas: int, systems: Sequence[str], rounds: int,
-            workdir: Path) -> dict:
+FIGURES = {"steps_per_s": "steps_per_s", "step_s": "step_s"}
+"""What each run gives, reported over the rounds (see ``report.per_round``)."""
+
+
+def measure(spec: RunSpec, *, systems: Sequence[str], rounds: int, workdir: Path) -> dict:
     """One model size on every system, ``rounds`` times in turn: steps/s (median and min/max
     over the rounds), ratio to DDP (of the medians, and per round, paired within it), median
     step time. The order reverses every round (``report.in_rounds``): a drift in the
     machine's load then favours no system."""
     from ftsystem.measure import stall
 
-    warmup = warmup_steps(steps)
+    warmup = warmup_steps(spec.steps)
 
     def run(name: str, round_: int) -> dict:
-        timelines = RUNNERS[name](params=params, steps=steps, replicas=replicas,
-                                  workdir=workdir / f"{name}-{params}-{round_}")
-        return {"steps_per_s": job_rate(timelines, warmup),
-                "step_s": statistics.median(stall.normal_step_time(tl) for tl in timelines)}
+        out_dir = workdir / f"{name}-{spec.model_params}-{round_}"
+        timelines = list(RUNNERS[name](spec, out_dir).values())
+        result = {"steps_per_s": job_rate(timelines, warmup),
+                  "step_s": statistics.median(stall.normal_step_time(tl) for tl in timelines),
+                  **harness.ran_with(name, spec)}
+        if name.startswith("ftsystem"):
+            result["commit_ms"] = commit_breakdown(out_dir)
+        return result
 
-    runs = report.in_rounds(systems, rounds, run)
-    per_round = {name: [r["steps_per_s"] for r in rs] for name, rs in runs.items()}
-    spreads = {name: report.spread(values) for name, values in per_round.items()}
-    rates = {name: spread["median"] for name, spread in spreads.items()}
-    paired = [ratios({name: per_round[name][r] for name in systems}) for r in range(rounds)]
-    return {"params": params, "steps": steps, "warmup_steps": warmup, "steps_per_s": rates,
-            "steps_per_s_spread": spreads, "ratio_vs_ddp": ratios(rates),
-            "ratio_vs_ddp_spread": {name: report.spread([p[name] for p in paired])
+    runs, log = report.in_rounds(systems, rounds, run)
+    summaries = {name: report.over_rounds(system_runs, FIGURES)
+                 for name, system_runs in runs.items()}
+    rates = {name: summary["steps_per_s"]["median"] for name, summary in summaries.items()}
+    return {"params": spec.model_params, "steps": spec.steps, "warmup_steps": warmup,
+            "steps_per_s": rates,
+            "steps_per_s_spread": {name: summary["steps_per_s"]
+                                   for name, summary in summaries.items()},
+            "ratio_vs_ddp": ratios(rates),
+            "ratio_vs_ddp_spread": {name: report.paired_ratio(runs[name], runs["ddp"],
+                                                              "steps_per_s")
                                     for name in systems},
-            "median_step_s": {name: report.spread([r["step_s"] for r in rs])["median"]
-                              for name, rs in runs.items()},
-            "steps_per_s_by_round": per_round}
+            "median_step_s": {name: summary["step_s"]["median"]
+                              for name, summary in summaries.items()},
+            "steps_per_s_by_round": {name: [run["steps_per_s"] for run in system_runs]
+                                     for name, system_runs in runs.items()},
+            "commit_ms": {name: breakdown_over_rounds(runs[name]) for name in systems
+                          if name.startswith("ftsystem")},
+            "runs": runs, "round_log": log}
+
+
+def commit_breakdown(out_dir: Path) -> dict[str, float]:
+    """Milliseconds per commit of each part of ``commit()`` (``training.commit_times``), the
+    median over the replicas of one run."""
+    parts: dict[str, list[float]] = {}
+    for path in sorted((out_dir / "results").glob("r*.json")):
+        for name, ms in json.loads(path.read_text()).get("commit_ms", {}).items():
+            parts.setdefault(name, []).append(ms)
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def breakdown_over_rounds(runs: Sequence[dict]) -> dict[str, dict]:
+    """Each part's milliseconds per commit over the rounds (median, min, max)."""
+    names = sorted({name for run in runs for name in run.get("commit_ms", {})})
+    return {name: report.spread([run.get("commit_ms", {}).get(name) for run in runs])
+            for name in names}
 
 
 @bench_app.command("overhead")
@@ -334,12 +357,12 @@ def overhead(
         systems = parse_systems(systems_text)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--systems") from e
-    load_before = os.getloadavg()
+    specs = [RunSpec(num_replicas=replicas, model_params=params,
+                     steps=steps or (QUICK_STEPS if quick else default_steps(params)))
+             for params in params_list]
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-overhead-") as tmp:
-        models = [measure(p, steps=steps or (QUICK_STEPS if quick else default_steps(p)),
-                          replicas=replicas, systems=systems, rounds=rounds,
-                          workdir=Path(tmp))
-                  for p in params_list]
+        models = [measure(spec, systems=systems, rounds=rounds, workdir=Path(tmp))
+                  for spec in specs]
     rows = [(m["params"], name, m["steps_per_s"][name], _range(m["steps_per_s_spread"][name]),
              m["ratio_vs_ddp"][name], _range(m["ratio_vs_ddp_spread"][name]),
              m["median_step_s"][name]) for m in models for name in systems]
@@ -347,10 +370,16 @@ def overhead(
                        f"{rounds} round(s)", ["params", "system", "steps/s (median)",
                                               "steps/s [min, max]", "vs DDP", "vs DDP [min, max]",
                                               "median step (s)"], rows)
+    parts = [(m["params"], name, part, f"{ms['median']:.3g}", _range(ms))
+             for m in models for name, breakdown in m["commit_ms"].items()
+             for part, ms in breakdown.items()]
+    if parts:
+        report.print_table("where commit() spends its time (ms per commit, over the rounds)",
+                           ["params", "system", "part", "median", "[min, max]"], parts)
+    # Other work on a shared machine moves these figures more than the target's 3%: each
+    # model's round_log has the load average of every round.
     report.write_json(json_path, {
         "models": models, "replicas": replicas, "rounds": rounds,
-        # Other work on a shared machine moves these figures more than the target's 3%.
-        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "target": "ftsystem ratio_vs_ddp >= 0.97 and steps/s >= torchft's",
         "machine": report.machine()})
 
@@ -359,8 +388,15 @@ def _ddp_main(rank: Annotated[int, typer.Option()],
               world_size: Annotated[int, typer.Option()],
               steps: Annotated[int, typer.Option()],
               out: Annotated[Path, typer.Option()],
-              model_params: Annotated[int, typer.Option()] = 0) -> None:
+              model_params: Annotated[int, typer.Option()],
+              batch_size: Annotated[int, typer.Option()],
+              lr: Annotated[float, typer.Option()],
+              seed: Annotated[int, typer.Option()],
+              sleep_per_step: Annotated[float, typer.Option()]) -> None:
+    """One DDP rank, its options ``harness.ddp_rank_command``'s: every one is required, so
+    that a rank cannot train another spec than the bench's by a default of its own."""
     ddp_replica(rank=rank, world_size=world_size, steps=steps, model_params=model_params,
+                batch_size=batch_size, lr=lr, seed=seed, sleep_per_step=sleep_per_step,
                 out=out)
 
 

@@ -18,7 +18,7 @@ precede the joiner's by a fraction of a millisecond.
   join epoch;
 - ``cold-join``: the same without the warm-up step (``FTSYSTEM_WARM_UP=0``): the joiner's first
   forward and backward run in a cold process after it joined, while the members wait;
-- ``blocking``: the first issue's join: the whole state is broadcast inside the join epoch;
+- ``blocking``: a join without catch-up: the whole state is broadcast inside the join epoch;
 - ``torchft``: torchft 0.2.0 healing inside a quorum step.
 
 Every system's joiner is started at the lowest CPU priority (``nice 19``). Replicas of a real
@@ -45,10 +45,14 @@ all-reduces, so its time to join is a sawtooth of when it is launched in their s
 always right after a commit, every round would measure one point of it.
 Spread over the step, the rounds sample the whole tooth, and each system meets the same points.
 
-``--rounds N`` runs every size N times, the order of the systems alternated per round; each
+Every system trains one spec per size (``harness.RunSpec``): two members, the same model,
+batch and learning rate (the example program's defaults, 16 and 3e-3, the torchft baseline's
+too), data, steps and emulated compute; each run records it (``spec``).
+
+``--rounds N`` runs every size N times, the order of the runs reversed every other round; each
 figure is reported as its median and min/max over the rounds. Each round records the
 machine's load average before and after it (other work on a shared machine makes figures
-noisy). ``--sizes`` picks some of the sizes (``1M,10M,100M``).
+noisy), in ``round_log``. ``--sizes`` picks some of the sizes (``1M,10M,100M``).
 """
 
 from __future__ import annotations
@@ -67,17 +71,20 @@ from typing import Callable, Optional
 
 import typer
 
+from ftsystem.benchmarks import harness
+from ftsystem.benchmarks.harness import RunSpec
 from ftsystem.measure import report, stall
 from ftsystem.cli import bench_app
 from ftsystem.control.etcd_server import EmbeddedEtcd
-from ftsystem.launch.launcher import ProcessGroup, RunConfig, agent_command, run_job
+from ftsystem.launch.launcher import ProcessGroup, agent_command, run_job
 from ftsystem.control.store import Store
 from ftsystem.control.tokens import ENV_TOKEN
 
 WARMUP_STEPS = 5
-BATCH_SIZE, LR = 8, 1e-3  # torchft_replica's, so that both train the same thing
-# (steps, emulated compute per step) per model size: enough steps to outlast the join.
+MEMBERS = ("r0", "r1")
+JOINER = "r2"
 JOINER_NICENESS = 19
+# (steps, emulated compute per step) per model size: enough steps to outlast the join.
 PLANS = {1_000_000: (200, 0.05), 10_000_000: (60, 0.0), 100_000_000: (18, 0.0)}
 QUICK_PLAN = {1_000_000: (400, 0.05)}
 """``--quick``: a smoke run of the wiring and the JSON, not figures. The members train 20 s
@@ -177,61 +184,61 @@ def _wait_for_phase(commits: Callable[[], list], phase: float) -> None:
     time.sleep(max(0.0, at - time.time()))
 
 
-def run_ftsystem(*, params: int, steps: int, sleep: float, mode: str, workdir: Path,
-                 warm_up: bool = True, phase: float = 0.0) -> dict:
-    """Two members via ``run_job``; a third agent launched once they are warm."""
-    os.environ["FTSYSTEM_CATCHUP"] = mode  # inherited by every replica
-    os.environ["FTSYSTEM_WARM_UP"] = str(int(warm_up))
-    train_args = ["--model-params", str(params), "--batch-size", str(BATCH_SIZE),
-                  "--lr", str(LR), "--sleep-per-step", str(sleep), "--loop", "plain"]
-    try:
-        with EmbeddedEtcd(data_dir=workdir / "etcd") as etcd:
-            cfg = RunConfig(num_replicas=2, num_steps=steps, etcd=etcd.url, job="rejoin",
-                            out_dir=workdir / "run", train_args=train_args,
-                            show_progress=False)
-            runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
-            runner.start()
-            _admit_when_warm(etcd.url, cfg.job, "r2")
-            _wait_for_phase(lambda: stall.read_timeline(cfg.out_dir / "results" / "r0.commits"),
-                            phase)
-            launched = time.time()
-            extra = ProcessGroup(cfg.out_dir)
-            # The run's token, which its agents hand to their ranks' state servers.
-            token = (cfg.out_dir / "api-token").read_text()
-            joiner = extra.start("agent-r2", ["nice", "-n", str(JOINER_NICENESS),
-                                              *agent_command(cfg, etcd.url, 2)],
-                                 env=os.environ | {ENV_TOKEN: token})
-            joiner.wait()
-            runner.join()
-    finally:
-        os.environ.pop("FTSYSTEM_CATCHUP", None)
-        os.environ.pop("FTSYSTEM_WARM_UP", None)
-    results = {p.stem: json.loads(p.read_text())
-               for p in (cfg.out_dir / "results").glob("*.json")}
-    if "r2" not in results:
-        tail = (cfg.out_dir / "agent-r2.log").read_text().splitlines()[-5:]
+def plan_spec(params: int, plan: tuple[int, float]) -> RunSpec:
+    """What every system trains at ``params`` parameters: the members, ``plan``'s steps and
+    emulated compute, the example program's batch, learning rate and seed."""
+    steps, sleep = plan
+    return RunSpec(num_replicas=len(MEMBERS), model_params=params, steps=steps,
+                   sleep_per_step=sleep)
+
+
+def run_ftsystem(spec: RunSpec, *, mode: str, workdir: Path, warm_up: bool = True,
+                 phase: float = 0.0) -> dict:
+    """The members via ``run_job``; the joiner's agent launched once they are warm."""
+    # Inherited by every replica.
+    variables = {"FTSYSTEM_CATCHUP": mode, "FTSYSTEM_WARM_UP": str(int(warm_up))}
+    with harness.environment(variables), EmbeddedEtcd(data_dir=workdir / "etcd") as etcd:
+        cfg = harness.ftsystem_config(spec, etcd=etcd.url, job="rejoin", out_dir=workdir / "run")
+        runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
+        runner.start()
+        _admit_when_warm(etcd.url, cfg.job, JOINER)
+        _wait_for_phase(lambda: stall.read_timeline(
+            cfg.out_dir / "results" / f"{MEMBERS[0]}.commits"), phase)
+        launched = time.time()
+        extra = ProcessGroup(cfg.out_dir)
+        # The run's token, which its agents hand to their ranks' state servers.
+        token = (cfg.out_dir / "api-token").read_text()
+        joiner = extra.start(f"agent-{JOINER}", [
+            "nice", "-n", str(JOINER_NICENESS), *agent_command(cfg, etcd.url, len(MEMBERS))],
+            env=os.environ | {ENV_TOKEN: token})
+        joiner.wait()
+        runner.join()
+    result = cfg.out_dir / "results" / f"{JOINER}.json"
+    if not result.exists():
+        tail = (cfg.out_dir / f"agent-{JOINER}.log").read_text().splitlines()[-5:]
         raise RuntimeError("the joiner wrote no result; its agent's log ends with:\n"
                            + "\n".join(tail))
-    catchup = results["r2"]["catchup"]
-    return _measure({r: results[r]["commits"] for r in ("r0", "r1")},
-                    results["r2"]["commits"], launched) | {
+    catchup = json.loads(result.read_text())["catchup"]
+    timelines = harness.read_timelines("ftsystem", cfg.out_dir)
+    return _measure({r: timelines[r] for r in MEMBERS}, timelines[JOINER], launched) | {
         "catchup": catchup, "transfer_bytes_per_s": catchup.get("transfer_bytes_per_s"),
         **({} if mode != "blocking" else
            {"transfer_note": "sent inside the join epoch's state sync: not timed apart"})}
 
 
-def run_torchft(*, params: int, steps: int, sleep: float, workdir: Path,
-                phase: float = 0.0) -> dict:
+def run_torchft(spec: RunSpec, *, workdir: Path, phase: float = 0.0) -> dict:
+    """The members on torchft; its joiner launched at ``phase`` of their step, once they are
+    warm."""
     from ftsystem.baselines.torchft_scenario import run_torchft_rejoin
-    out = run_torchft_rejoin(num_replicas=2, steps=steps, model_params=params, workdir=workdir,
-                             sleep_per_step=sleep, timeout_s=TORCHFT_TIMEOUT_S,
-                             joiner_niceness=JOINER_NICENESS,
+    out = run_torchft_rejoin(**harness.torchft_training(spec), workdir=workdir,
+                             timeout_s=TORCHFT_TIMEOUT_S, joiner_niceness=JOINER_NICENESS,
                              wait_to_join=lambda commits: _wait_for_phase(commits, phase))
-    by_index = {int(r["replica"]): r for r in out["results"]}
-    members = {str(i): by_index[i]["commits"] for i in (0, 1)}
+    timelines = harness.read_timelines("torchft", workdir)
     fetch_s = _torchft_fetch_s(workdir)
-    nbytes = state_bytes(params)
-    return _measure(members, by_index[2]["commits"], out["join_started"]) | {
+    nbytes = state_bytes(spec.model_params)
+    joiner = str(spec.num_replicas)  # torchft's replicas are numbered, the joiner last
+    members = {index: timelines.get(index, []) for index in map(str, range(spec.num_replicas))}
+    return _measure(members, timelines.get(joiner, []), out["join_started"]) | {
         "crashed": out["crashed"], "transfer_s": fetch_s, "transfer_bytes": nbytes,
         "transfer_bytes_per_s": nbytes / fetch_s if fetch_s else None}
 
@@ -280,21 +287,21 @@ def _step_stall(timeline: list, step: int) -> float | None:
     return max(0.0, times[step] - times[step - 1] - stall.normal_step_time(timeline))
 
 
-def run_system(name: str, *, params: int, steps: int, sleep: float, workdir: Path,
-               phase: float = 0.0) -> dict:
-    """One run, its joiner launched at ``phase`` of the members' step; a run that fails is
-    recorded with its error and no figures, and the bench goes on (a round of every size
-    takes most of an hour here)."""
+def run_system(name: str, spec: RunSpec, *, workdir: Path, phase: float = 0.0) -> dict:
+    """One run of ``spec``, its joiner launched at ``phase`` of the members' step, recorded
+    with the spec; a run that fails is recorded with its error and no figures, and the bench
+    goes on (a round of every size takes most of an hour here)."""
     try:
         if name == "torchft":
-            return run_torchft(params=params, steps=steps, sleep=sleep, workdir=workdir,
-                               phase=phase)
-        return run_ftsystem(params=params, steps=steps, sleep=sleep, workdir=workdir,
-                            mode="blocking" if name == "blocking" else "nonblocking",
-                            warm_up=name != "cold-join", phase=phase)
+            figures = run_torchft(spec, workdir=workdir, phase=phase)
+        else:
+            figures = run_ftsystem(spec, workdir=workdir, phase=phase,
+                                   mode="blocking" if name == "blocking" else "nonblocking",
+                                   warm_up=name != "cold-join")
     except (RuntimeError, TimeoutError) as e:
-        typer.echo(f"{name} at {params:,} parameters failed: {e}", err=True)
-        return {figure: None for figure in FIGURES} | {"error": str(e)}
+        typer.echo(f"{name} at {spec.model_params:,} parameters failed: {e}", err=True)
+        figures = {figure: None for figure in FIGURES} | {"error": str(e)}
+    return figures | {"launch_phase": phase} | harness.ran_with(name, spec)
 
 
 def joiner_priority() -> str:
@@ -325,37 +332,35 @@ def parse_sizes(text: str) -> dict[int, tuple[int, float]]:
 def run_rounds(systems: list[str], plans: dict[int, tuple[int, float]], rounds: int,
                root: Path, loopback: tuple[int, int] = (LOOPBACK_BYTES, LOOPBACK_TRIES),
                after_run: Callable[[list[dict], dict], None] = lambda *_: None
-               ) -> tuple[list[dict], dict[int, dict[str, list[dict]]]]:
-    """Every size on every system, ``rounds`` times, the order alternated per round: each
-    round's loopback measurement, and each size's runs per system in round order.
-    ``after_run`` sees them after every run (a long bench keeps what it measured)."""
-    loopbacks, runs = [], {params: {name: [] for name in systems} for params in plans}
-    for r in range(rounds):
-        loopbacks.append({"round": r, "load_before": os.getloadavg(),
-                          "loopback_bytes_per_s": loopback_rate(*loopback)})
-        for params, (steps, sleep) in plans.items():
-            for name in report.round_order(systems, r):
-                typer.echo(f"round {r + 1}/{rounds}: {params:,} parameters, {name} ...",
-                           err=True)
-                phase = launch_phase(r, rounds)
-                runs[params][name].append(run_system(
-                    name, params=params, steps=steps, sleep=sleep, phase=phase,
-                    workdir=root / f"round{r}" / f"{name}-{params}") | {"round": r,
-                                                                         "launch_phase": phase})
-                loopbacks[-1]["load_after"] = os.getloadavg()
-                after_run(loopbacks, runs)
-    return loopbacks, runs
+               ) -> tuple[list[dict], dict[tuple[int, str], list[dict]]]:
+    """Every size on every system, ``rounds`` times, the order of the runs reversed every
+    other round (``report.in_rounds``): the round log, with each round's loopback rate, and
+    each run's results by (size, system) in round order. ``after_run`` sees them after every
+    run (a long bench keeps what it measured)."""
+    specs = {params: plan_spec(params, plan) for params, plan in plans.items()}
+
+    def run(unit: tuple[int, str], r: int) -> dict:
+        params, name = unit
+        typer.echo(f"round {r + 1}/{rounds}: {params:,} parameters, {name} ...", err=True)
+        return run_system(name, specs[params], phase=launch_phase(r, rounds),
+                          workdir=root / f"round{r}" / f"{name}-{params}")
+
+    runs, log = report.in_rounds(
+        [(params, name) for params in plans for name in systems], rounds, run,
+        at_round_start=lambda _: {"loopback_bytes_per_s": loopback_rate(*loopback)},
+        after_run=lambda runs, log: after_run(log, runs))
+    return log, runs
 
 
-def summarize(loopbacks: list[dict], runs: dict[int, dict[str, list[dict]]]) -> dict:
-    """The JSON's figures (pure): per size and system, each figure's spread over the rounds,
-    and every run in full."""
-    sizes = [{"params": params, **{name: {**report.per_round(system_runs, FIGURES),
-                                          "rounds": system_runs}
-                                   for name, system_runs in by_system.items()}}
-             for params, by_system in runs.items()]
-    return {"sizes": sizes, "loopback_bytes_per_s": report.spread(
-                [lb["loopback_bytes_per_s"] for lb in loopbacks]) | {"rounds": loopbacks}}
+def summarize(log: list[dict], runs: dict[tuple[int, str], list[dict]]) -> dict:
+    """The JSON's figures (pure): per size and system, each figure's spread over the rounds
+    and every run in full; the loopback rate's spread, and the round log."""
+    sizes: dict[int, dict] = {}
+    for (params, name), system_runs in runs.items():
+        sizes.setdefault(params, {})[name] = report.over_rounds(system_runs, FIGURES)
+    return {"sizes": [{"params": params, **by_system} for params, by_system in sizes.items()],
+            "loopback_bytes_per_s": report.spread([r["loopback_bytes_per_s"] for r in log]),
+            "round_log": log}
 
 
 def _rows(summary: dict) -> list[tuple]:
@@ -393,18 +398,18 @@ def rejoin(json_path: Optional[Path] = typer.Option(None, "--json", help="write 
     plans, rounds = (QUICK_PLAN, 1) if quick else (parse_sizes(sizes), rounds)
     loopback = QUICK_LOOPBACK if quick else (LOOPBACK_BYTES, LOOPBACK_TRIES)
 
-    def save(loopbacks: list[dict], runs: dict) -> None:
+    def save(log: list[dict], runs: dict) -> None:
         report.write_json(json_path, {
-            **summarize(loopbacks, runs), "rounds": len(loopbacks), "systems": chosen,
-            "targets": TARGETS, "batch_size": BATCH_SIZE, "joiner_niceness": JOINER_NICENESS,
+            **summarize(log, runs), "rounds": len(log), "systems": chosen,
+            "targets": TARGETS, "joiner_niceness": JOINER_NICENESS,
             "joiner_priority": joiner_priority(),
             "launch_phases": [launch_phase(r, rounds) for r in range(rounds)],
             "loopback_method": " ".join(loopback_rate.__doc__.split("\n\n")[1].split()),
             "machine": report.machine()})
 
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-rejoin-") as tmp:
-        loopbacks, runs = run_rounds(chosen, plans, rounds, Path(tmp), loopback, save)
-    summary = summarize(loopbacks, runs)
+        log, runs = run_rounds(chosen, plans, rounds, Path(tmp), loopback, save)
+    summary = summarize(log, runs)
     report.print_table("rejoin: members' stall, joiner's time to join, transfer rate "
                        "(median [min, max] over rounds)",
                        ["params", "system", "normal step (s)", "join stall (s)",

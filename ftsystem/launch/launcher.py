@@ -440,10 +440,11 @@ def summarize(results: dict[str, dict], failures: list[dict], *, wall_s: float,
     faults = stall.faults(failures, orders)
     for fault in faults:
         down = stall.down_at(timelines, [*faults, *failures], fault["time"])
-        fault["stall_s"] = stall.failure_stall(timelines, fault["time"],
-                                               [fault["replica"], *down])
+        fault |= stall.stall_fields(stall.fault_stall(timelines, fault["time"],
+                                                      [fault["replica"], *down]))
         for i in fault["explains"]:
-            failures[i] |= {"fault_time": fault["time"], "stall_s": fault["stall_s"]}
+            failures[i] |= {"fault_time": fault["time"],
+                            **{k: fault[k] for k in stall.STALL_FIELDS}}
     hashes = {r["state_hash"] for r in results.values()}
     steps = {r["step"] for r in results.values()}
     stalls = [f["stall_s"] for f in faults if f["stall_s"] is not None]

@@ -28,6 +28,7 @@ from ftsystem.training.runtime import ControlPlane, ReplicaContext
 from ftsystem.training.settings import ENV_OVERLAP
 from ftsystem.training.flat import FlatLayout
 from ftsystem.training.shards import local
+from ftsystem.training.commit_times import CommitTimes
 from ftsystem.training.update_log import UpdateLog
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,11 @@ class GradientSum:
                  ftar: FaultTolerantAllReduce, faults: FaultSchedule,
                  layout: FlatLayout, update_log: UpdateLog, overlap: bool,
                  bucket_bytes: int, stragglers: StragglerBound,
-                 step_times: Sequence[float]) -> None:
-        """``step_times``: the recent steps' durations, which the straggler bound follows."""
+                 step_times: Sequence[float], times: CommitTimes) -> None:
+        """``step_times``: the recent steps' durations, which the straggler bound follows;
+        ``times``: where the parts of the sum are timed."""
         self.ctx, self.control, self.replica, self.ftar = ctx, control, replica, ftar
+        self._times = times
         self.faults, self._layout, self._update_log = faults, layout, update_log
         self._overlap = OverlappedGradSum(layout, bucket_bytes) \
             if overlap and ctx.world_size == 1 else None
@@ -125,7 +128,8 @@ class GradientSum:
             # A retry runs in a new group (see after_failed_vote), where every member sends
             # one buffer after backward: nobody's buckets are on that group's wire.
             overlapped = False
-            verdict = vote(self.replica, error, self.ftar.epoch.number)
+            with self._times.part("vote"):
+                verdict = vote(self.replica, error, self.ftar.epoch.number)
             if verdict.ok:
                 metrics.FTAR_DURATION.labels(*self._labels).observe(time.monotonic() - started)
                 if sent_early:
@@ -139,8 +143,10 @@ class GradientSum:
         # A fresh buffer per attempt (an abandoned one may still be written into); the
         # gradients themselves stay untouched until the commit, so a retry reuses them.
         out, self._spare = self._spare, None
-        buf = self._layout.pack(out if out is not None else self._recycled())
-        self.ftar.allreduce_sum(buf, on_issued=lambda: self.faults.check(step, "allreduce"))
+        with self._times.part("pack"):
+            buf = self._layout.pack(out if out is not None else self._recycled())
+        with self._times.part("allreduce"):
+            self.ftar.allreduce_sum(buf, on_issued=lambda: self.faults.check(step, "allreduce"))
         return buf
 
     def _recycled(self) -> torch.Tensor | None:
@@ -152,7 +158,8 @@ class GradientSum:
         """Wait for the buckets that backward sent (and send those it could not)."""
         self.faults.check(step, "allreduce")  # the buckets are on the wire
         try:
-            return self._overlap.finish(self.ftar.wait)
+            with self._times.part("allreduce"):
+                return self._overlap.finish(self.ftar.wait)
         except GradientProducedTwice as e:
             raise RuntimeError(f"{e}: construct FTReplica(..., overlap=False) or set "
                                f"{ENV_OVERLAP}=0 for this program") from e

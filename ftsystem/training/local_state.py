@@ -32,6 +32,7 @@ from ftsystem.training.replicated import ReplicatedObjects
 from ftsystem.training.flat import FlatLayout, release_grads
 from ftsystem.training.shards import load_local_state, local, local_state
 from ftsystem.training.snapshot import Snapshotter
+from ftsystem.training.commit_times import CommitTimes
 from ftsystem.training.update_log import LoggedUpdate, UpdateLog
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,11 @@ class LocalState:
     def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                  layout: FlatLayout, objects: ReplicatedObjects,
                  step_fn: Callable[[], None] | None, update_log: UpdateLog,
-                 on_step: Callable[[int], None]) -> None:
-        """``on_step(step)``: told of every step this state reaches (the heartbeat)."""
+                 on_step: Callable[[int], None], times: CommitTimes | None = None) -> None:
+        """``on_step(step)``: told of every step this state reaches (the heartbeat);
+        ``times``: where the parts of a step are timed."""
         self._name = name
+        self._times = times or CommitTimes()
         self.model, self.optimizer, self.objects = model, optimizer, objects
         self._layout = layout
         self._params = layout.params
@@ -141,9 +144,11 @@ class LocalState:
 
         ``carry_before``: the loop-advanced objects' states to run the step function with
         (a joiner's join step takes the members'); None: the ones they hold now."""
+        with self._times.part("carry"):
+            if carry_before is None:
+                carry_before = self.objects.carry()
         update = LoggedUpdate(grad, self._chain, chain_next(self._chain, self._step + 1, epoch),
-                              carry_before=self.objects.carry() if carry_before is None
-                              else carry_before)
+                              carry_before=carry_before)
         return self._advance(update, load_before=carry_before is not None)
 
     def replay(self, logged: LoggedUpdate) -> None:
@@ -171,22 +176,27 @@ class LocalState:
         ``update`` with the carry after the step filled in (a live commit's)."""
         if load_before:
             self.objects.load_carry(update.carry_before)
-        self.snapshotter.before_mutation()
-        self._layout.unpack(self._grad_copy(update.grad) if self._copy_grads else update.grad)
+        with self._times.part("unpack"):
+            self.snapshotter.before_mutation()
+            self._layout.unpack(self._grad_copy(update.grad) if self._copy_grads
+                                else update.grad)
         try:
-            self._step_fn()
+            with self._times.part("step_fn"):
+                self._step_fn()
         finally:
             release_grads(self._params)
-        if load_before and update.carry:  # a replay: the states the peer recorded
-            self.objects.load_carry(update.carry)
-            carry = update.carry
-        else:
-            carry = self.objects.carry()
-        update = LoggedUpdate(update.grad, update.parent, update.chain, carry,
-                              update.carry_before)
-        self._step, self._chain, self._carry = self._step + 1, update.chain, carry
-        self.update_log.append(self._step, update)
-        self._on_step(self._step)
+        with self._times.part("carry"):
+            if load_before and update.carry:  # a replay: the states the peer recorded
+                self.objects.load_carry(update.carry)
+                carry = update.carry
+            else:
+                carry = self.objects.carry()
+        with self._times.part("log"):
+            update = LoggedUpdate(update.grad, update.parent, update.chain, carry,
+                                  update.carry_before)
+            self._step, self._chain, self._carry = self._step + 1, update.chain, carry
+            self.update_log.append(self._step, update)
+            self._on_step(self._step)
         return update
 
     def _grad_copy(self, update: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from ftsystem.control.timeouts import StragglerBound, Timeouts
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
 from ftsystem.training.checkpoint import Checkpointer, TrainingState
+from ftsystem.training.commit_times import CommitTimes
 from ftsystem.training.end_of_job import needs_donor, registrations_of, replicas_to_serve
 from ftsystem.training.epoch_entry import Entered, EpochEntry, ReplicaEvictedError
 from ftsystem.training.ftar import FaultTolerantAllReduce
@@ -134,8 +135,11 @@ class FTReplica:
         self.objects = ReplicatedObjects()
         self.update_log = UpdateLog(self.settings.log_budget_bytes, on_host=log_on_host(
             self.settings.log_place, self.settings.log_budget_bytes, free_memory(device)))
+        self.commit_times = CommitTimes()
+        """Where the time of :meth:`commit` goes (``ftsystem bench overhead``)."""
         self.state = LocalState(self.ctx.replica_id, model, optimizer, layout, self.objects,
-                                step_fn, self.update_log, self.heartbeat.beat)
+                                step_fn, self.update_log, self.heartbeat.beat,
+                                self.commit_times)
         self.snapshotter = self.state.snapshotter
         self.ftar = FaultTolerantAllReduce(self.control, shard_index=self.ctx.rank,
                                            timeout_s=self.ctx.timeout_s, device=device,
@@ -148,7 +152,7 @@ class FTReplica:
             self.ctx, self.control, self.replica, self.ftar, self.faults, layout,
             self.update_log, overlap, self.settings.bucket_bytes,
             StragglerBound.from_env(os.environ, Timeouts(self.ctx.timeout_s)),
-            self._step_times)
+            self._step_times, self.commit_times)
         entry_bytes = layout.nbytes
         if entry_bytes > self.settings.log_budget_bytes:
             log.warning(
@@ -410,7 +414,8 @@ class FTReplica:
         entered, self._entered = self._entered, None
         first_of_epoch = entered is not None and entered.epoch.number == self.ftar.epoch.number
         divisor = entered.plan.divisor if first_of_epoch else self.ftar.world_size
-        buf /= divisor  # those who sent gradients
+        with self.commit_times.part("divide"):
+            buf /= divisor  # those who sent gradients
         join_step = self.lifecycle.is_(Phase.JOIN_STEP)
         if join_step and not first_of_epoch:
             raise RuntimeError("a join step summed outside the epoch that accepted it: a bug")
@@ -418,19 +423,25 @@ class FTReplica:
                           carry_before=entered.join_carry if join_step else None)
         if join_step:
             self.lifecycle.move(Phase.MEMBER)
-        self._committed(loss, samples)
+        with self.commit_times.part("telemetry"):
+            self._committed(loss, samples)
         if self.faults.fires(self.step, "corrupt") or self.faults.fires(self.step, "corrupt-next"):
             self.state.corrupt()
             log.warning("replica %s: corrupted a parameter at step %d (fault injection)",
                         self.ctx.replica_id, self.step)
-        if self.integrity.due(self.step) and self.integrity.compare_digests():
+        with self.commit_times.part("digests"):
+            repair = self.integrity.due(self.step) and self.integrity.compare_digests()
+        if repair:
             self._repair()
-        self.snapshotter.after_commit(self.step)
-        self._maybe_checkpoint()
+        with self.commit_times.part("snapshot_checkpoint"):
+            self.snapshotter.after_commit(self.step)
+            self._maybe_checkpoint()
         # Here too, not only on entry: once armed, the next backward sends buckets, and a
         # "step" fault must strike before anything of the next step is on the wire.
         self.faults.check(self.step, "step")
-        self.gradients.arm()
+        with self.commit_times.part("arm"):
+            self.gradients.arm()
+        self.commit_times.committed()
         return True
 
     def _committed(self, loss: float | None, samples: int) -> None:
