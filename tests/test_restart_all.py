@@ -164,8 +164,10 @@ def test_summary_measures_stalls_from_the_fault_instant() -> None:
                         outcome="finished", num_nodes=2, wall_s=0.0)
     [fault] = summary["faults"]
     assert fault["time"] == 5.05 and fault["action"] == "kill"
-    # from the kill to the next commit (9 s), less a normal step (1 s)
-    assert fault["stall_s"] == pytest.approx(9.0 - 5.05 - 1.0)
+    # the gap holding the kill (5 s to 9 s), less a normal step (1 s); the former measure,
+    # from the kill to the next commit less a step, beside it
+    assert fault["stall_s"] == pytest.approx(9.0 - 5.0 - 1.0)
+    assert fault["whole_steps_s"] == pytest.approx(9.0 - 5.05 - 1.0)
     assert summary["stall_s"]["median"] == pytest.approx(fault["stall_s"])
 
 

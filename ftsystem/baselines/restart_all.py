@@ -434,7 +434,8 @@ def summarize(*, commits: dict[str, Timeline], starts: dict[str, list[dict]],
     faults = stall.faults([], records)
     for fault in faults:
         down = stall.down_at(timelines, faults, fault["time"])  # as ftsystem run's summary
-        fault["stall_s"] = stall.failure_stall(timelines, fault["time"], [fault["replica"], *down])
+        fault |= stall.stall_fields(stall.fault_stall(timelines, fault["time"],
+                                                      [fault["replica"], *down]))
     return {
         "outcome": outcome,
         "finished": outcome == "finished",

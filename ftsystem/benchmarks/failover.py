@@ -161,11 +161,19 @@ def _lighthouse(setting: str):
 
 
 def _stalls(timelines: dict, kills: list[float], victim: str) -> dict:
-    stalls = [s for t in kills if (s := stall.failure_stall(timelines, t, [victim])) is not None]
+    measured = [s for t in kills if (s := stall.fault_stall(timelines, t, [victim])) is not None]
     survivors = [tl for rid, tl in timelines.items() if rid != victim]
-    return {"failures": len(kills), "stall_s": stall.distribution(stalls),
-            "per_failure_stall_s": stalls,
+    return {"failures": len(kills), **_stall_figures(measured),
             "step_s": stall.distribution([stall.normal_step_time(t) for t in survivors])}
+
+
+def _stall_figures(measured: list[stall.Stall]) -> dict:
+    """The failures' stalls (the excess of the gaps each lengthened over the normal step), the
+    former whole-step measure beside them, and the measure's resolution."""
+    return {"stall_s": stall.distribution([s.excess_s for s in measured]),
+            "per_failure_stall_s": [s.excess_s for s in measured],
+            "whole_steps_stall_s": stall.distribution([s.whole_steps_s for s in measured]),
+            "resolution_s": stall.distribution([s.resolution_s for s in measured])}
 
 
 @bench_app.command("failover")
@@ -405,13 +413,13 @@ def _host_stalls(timelines: dict, faults: list[dict], victim: str) -> dict:
         fault["victim_last_commit_s"] = fault["at"] - before[-1] if before else None
         fault["victim_was_training"] = bool(before) and fault["at"] - before[-1] <= \
             VICTIM_TRAINING_S
-        fault["stall_s"] = stall.failure_stall(timelines, fault["at"], [victim])
-        if fault["victim_was_training"] and fault["stall_s"] is not None:
-            counted.append(fault["stall_s"])
+        measured = stall.fault_stall(timelines, fault["at"], [victim])
+        fault |= stall.stall_fields(measured)
+        if fault["victim_was_training"] and measured is not None:
+            counted.append(measured)
     survivors = [tl for rid, tl in timelines.items() if rid != victim]
     return {"failures": len(counted), "failures_injected": len(faults),
-            "stall_s": stall.distribution(counted), "per_failure_stall_s": counted,
-            "faults": faults,
+            **_stall_figures(counted), "faults": faults,
             "step_s": stall.distribution([stall.normal_step_time(t) for t in survivors])}
 
 
