@@ -170,7 +170,7 @@ def stall_summary(faults: list[dict], *, start: float, end: float) -> dict:
     return {"stall_s": stall.distribution([f["stall_s"] for f in inside]),
             "stall_total_s": sum(f["stall_s"] for f in inside),
             "stall_by_action": stalls_by_action(inside),
-            "faults": [{k: f[k] for k in ("time", "action", "replica", "stall_s")}
+            "faults": [{k: f.get(k) for k in ("time", "action", "replica", *stall.STALL_FIELDS)}
                        for f in inside]}
 
 
