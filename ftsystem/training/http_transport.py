@@ -61,7 +61,7 @@ class StateServer:
         self._current_step, self._timeout_s = current_step, timeout_s
         self._last_request = 0.0
         self._idle_s = float(os.environ.get(ENV_IDLE_S, "10"))
-        self._fetchers: set[str] = set()  # the replicas served state in this session
+        self._fetchers: set[str] = set()  # the replicas served state in this catch-up session
         self.bytes_served = 0
         server = self
 
