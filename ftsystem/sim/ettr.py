@@ -6,9 +6,10 @@ differences are not noise):
 
 - ``sync``: synchronous training, restart-all from the last checkpoint;
 - ``fthsdp``: FT-HSDP as published (arXiv 2602.00277): the whole job stalls briefly, one replica is
-  out while it recovers, the others keep training at reduced capacity;
+  out while it recovers, the others keep training at reduced capacity; the failed replica's
+  relaunch is the model ftsystem's uses (``ftsystem.sim.scale_inputs.relaunch_s``);
 - ``ftsystem``: the same structure with ftsystem's costs at the job's scale, built from inputs
-  measured here, published or assumed (``ftsystem.sim.scale_inputs``).
+  measured here, published, modelled or assumed (``ftsystem.sim.scale_inputs``).
 
 ETTR is reported two ways (docs/ettr_simulation.md): time-based, the fraction of wall-clock time in
 which the job commits steps that it keeps; work-based, samples kept / (wall-clock x full-capacity
@@ -49,9 +50,6 @@ SYNC_RESTART_S = 600.0
 """Paper: per-failure stall of synchronous training (10 minutes)."""
 FTHSDP_STALL_S = 180.0
 """Paper: per-failure stall of FT-HSDP (3 minutes), for the whole job."""
-RELAUNCH_S = SYNC_RESTART_S
-"""Assumed: relaunching one failed replica takes as long as relaunching the whole job (same path:
-replacement host, process start, communicator init, state load); not published per replica."""
 CHECKPOINT_WRITE_S = 1.0
 """Assumed: blocking part of one asynchronous checkpoint (the device-to-host snapshot; the write
 to storage overlaps training)."""
@@ -106,6 +104,13 @@ class ReplicaRecovery:
     """Whole-job stall when the recovered replica joins (one reconfiguration)."""
     replica_gpus: int
     """GPUs per replica: the unit a failure takes out."""
+    throughput: float = 1.0
+    """Samples per second while training, as a fraction of the full-capacity rate: what per-step
+    costs (ftsystem's votes) leave. Work-based ETTR only: time-based counts the steps' time."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.throughput <= 1.0:
+            raise ValueError(f"throughput must lie in (0, 1], got {self.throughput}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +144,12 @@ def sync_recovery(mttf_s: float) -> SyncRecovery:
                         checkpoint_interval_s=young_daly_interval_s(CHECKPOINT_WRITE_S, mttf_s))
 
 
-FTHSDP = ReplicaRecovery(stall_s=FTHSDP_STALL_S, relaunch_s=RELAUNCH_S, catchup_s=0.0,
-                         join_stall_s=0.0, replica_gpus=REPLICA_GPUS)
-"""FT-HSDP as published: 3-minute stall per failure; catch-up is non-blocking with "minimal stall",
-modelled as part of the relaunch and a free join."""
+def fthsdp_recovery(relaunch_s: float, replica_gpus: int = REPLICA_GPUS) -> ReplicaRecovery:
+    """FT-HSDP as published: a 3-minute stall per failure; catch-up is non-blocking with "minimal
+    stall", modelled as free, and so is the join. The paper gives no relaunch time for one
+    replica: ``relaunch_s`` is the model shared with ftsystem."""
+    return ReplicaRecovery(stall_s=FTHSDP_STALL_S, relaunch_s=relaunch_s, catchup_s=0.0,
+                           join_stall_s=0.0, replica_gpus=replica_gpus)
 
 
 def num_replicas(gpus: int, replica_gpus: int) -> int:
@@ -279,7 +286,8 @@ def simulate_replicas(recovery: ReplicaRecovery, replicas: int, failures: Failur
     env.process(_arrivals(env, failures, strike))
     env.run(until=horizon_s)
     meter.change(horizon_s)
-    return Outcome(time=meter.train_s / horizon_s, work=meter.work_s / horizon_s)
+    return Outcome(time=meter.train_s / horizon_s,
+                   work=meter.work_s * recovery.throughput / horizon_s)
 
 
 def simulate(recovery: SyncRecovery | ReplicaRecovery, gpus: int, failures: Failures,
@@ -313,14 +321,15 @@ def mean_ettr(recovery: SyncRecovery | ReplicaRecovery, gpus: int, *, failure_mo
             "sd": float(np.std(work)), "min": float(min(work)), "max": float(max(work))}
 
 
-def ettr_at_scale(gpus: int, ftsystem: Callable[[int], ReplicaRecovery], *, failure_model: str,
+def ettr_at_scale(gpus: int, ftsystem: Callable[[int], ReplicaRecovery],
+                  fthsdp: Callable[[int], ReplicaRecovery], *, failure_model: str,
                   failures: int, seeds: int, seed: int) -> dict:
     """Mean ETTR of the three recovery models at one scale, over ``seeds`` runs of about
-    ``failures`` failures each, all on the same traces. ``ftsystem`` gives ftsystem's recovery at
-    a job size. Returns {"gpus", "mttf_min", "sync", "fthsdp", "ftsystem" (work-based),
-    "time_based", and across seeds (work-based) "sd" and "range" ([min, max])}."""
+    ``failures`` failures each, all on the same traces. ``ftsystem`` and ``fthsdp`` give their
+    recoveries at a job size. Returns {"gpus", "mttf_min", "sync", "fthsdp", "ftsystem"
+    (work-based), "time_based", and across seeds (work-based) "sd" and "range" ([min, max])}."""
     mttf_s = FAILURE_MODELS[failure_model](gpus)
-    models = {"sync": sync_recovery(mttf_s), "fthsdp": FTHSDP, "ftsystem": ftsystem(gpus)}
+    models = {"sync": sync_recovery(mttf_s), "fthsdp": fthsdp(gpus), "ftsystem": ftsystem(gpus)}
     means = {name: mean_ettr(model, gpus, failure_model=failure_model, failures=failures,
                              seeds=seeds, seed=seed) for name, model in models.items()}
     row: dict = {"gpus": gpus, "mttf_min": mttf_s / 60.0}
@@ -338,9 +347,9 @@ def paper_reproduced(row: dict) -> bool:
                for name, published in PAPER_ETTR.items())
 
 
-def model_assumptions(failure_model: str) -> dict:
-    """The inputs of the sync and FT-HSDP models and of the failure process, with their sources,
-    for the report's ``assumptions``."""
+def model_assumptions(failure_model: str, fthsdp: ReplicaRecovery) -> dict:
+    """The inputs of the sync and FT-HSDP models (``fthsdp`` at the paper's scale) and of the
+    failure process, with their sources, for the report's ``assumptions``."""
     mttf_s = FAILURE_MODELS[failure_model](PAPER_GPUS)
     points = [(gpus, round(m / 60, 1)) for gpus, m in KOKOLIS_MTTF_S]
     curves = {
@@ -373,8 +382,11 @@ def model_assumptions(failure_model: str) -> dict:
         "fthsdp": {
             "stall_s": FTHSDP_STALL_S, "stall_source": "paper: 3-minute stall per failure, "
                                                        "whole job",
-            "relaunch_s": RELAUNCH_S, "relaunch_source": "assumed: same as the sync restart",
-            "catchup_s": FTHSDP.catchup_s, "join_stall_s": FTHSDP.join_stall_s,
+            "relaunch_s": fthsdp.relaunch_s,
+            "relaunch_source": "model shared with ftsystem: replacement host wait (assumed) + "
+                               "NCCL init of one replica's communicators (model); the paper "
+                               "gives no per-replica relaunch time",
+            "catchup_s": fthsdp.catchup_s, "join_stall_s": fthsdp.join_stall_s,
             "catchup_source": "paper: non-blocking catch-up, minimal stall (modelled as free)",
             "replica_gpus": REPLICA_GPUS, "min_replicas": MIN_REPLICAS,
             "replica_source": "assumed: not published",

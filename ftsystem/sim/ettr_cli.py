@@ -2,9 +2,10 @@
 
 Reads the benchmark files that hold ftsystem's inputs at scale (the survivors' stall after a host
 dies, the controller's decision at 16,384 node agents, a replica's time to join and the join
-stall), builds ftsystem's recovery at each scale from them (``ftsystem.sim.scale_inputs``), runs
-the discrete-event simulation of ``ftsystem.sim.ettr`` over the sweep of scales and, at 98K GPUs,
-against each input; prints tables, writes JSON and optionally a PNG. See
+stall), builds ftsystem's recovery at each scale from them and from published, modelled and
+assumed inputs (``ftsystem.sim.scale_inputs``), runs the discrete-event simulation of
+``ftsystem.sim.ettr`` over the sweep of scales and, at 98K GPUs, against each input (ranked by how
+far it moves the result); prints tables, writes JSON and optionally a PNG. See
 docs/ettr_simulation.md.
 """
 
@@ -72,6 +73,18 @@ def _field(data: Any, keys: tuple[str, ...], path: Path, option: str) -> Any:
     return data
 
 
+def _spread(value: Any, what: str, path: Path, option: str) -> si.Spread:
+    """A figure read from a benchmark file: a number, or one of several rounds
+    ({"median": x, "min": .., "max": ..}; a missing extreme is the median)."""
+    if not isinstance(value, dict):
+        one = _non_negative(value, what, path, option)
+        return si.Spread(median=one, low=one, high=one)
+    median = _non_negative(value, what, path, option)
+    low, high = (_non_negative(value.get(k, median), f"{what}.{k}", path, option)
+                 for k in ("min", "max"))
+    return si.Spread(median=median, low=min(low, median), high=max(high, median))
+
+
 def _non_negative(value: Any, what: str, path: Path, option: str) -> float:
     """A number read from a benchmark file (seconds, parameters): finite and not negative. A
     figure from several rounds ({"median": x, ...}) gives its median."""
@@ -135,20 +148,39 @@ def _decision(path: Path) -> tuple[float, float, int, str]:
                                    f"agents (p50 {p50 * 1e3:.0f} ms)")
 
 
-def _rejoin(path: Path) -> tuple[float, float, str]:
-    """(time to join, join stall, source) of ftsystem at the largest model size in
-    ``bench rejoin`` (closest to a real job)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rejoin:
+    """What ``bench rejoin`` says of ftsystem at its largest model."""
+
+    time_to_join: si.Spread
+    join_stall: si.Spread
+    join_step_stall: float | None
+    """The members' stall at the joiner's first step alone (``join_step_stall_s``), if given."""
+    source: str
+
+
+def _rejoin(path: Path) -> Rejoin:
+    """ftsystem's figures at the largest model size in ``bench rejoin`` (closest to a real job):
+    ``sizes[i].ftsystem.time_to_join_s`` and ``.join_stall_s`` (each a number or a figure of
+    several rounds), and ``.join_step_stall_s`` if present."""
     option = "--rejoin-json"
-    sizes = _field(_read_json(path, option), ("sizes",), path, option)
+    data = _read_json(path, option)
+    sizes = _field(data, ("sizes",), path, option)
     if not isinstance(sizes, list) or not sizes:
         raise typer.BadParameter(f"{path}: sizes must be a non-empty list", param_hint=option)
     params = [_non_negative(_field(size, ("params",), path, option), "params", path, option)
               for size in sizes]
     largest = sizes[params.index(max(params))]
-    joined, stalled = (_non_negative(_field(largest, ("ftsystem", key), path, option),
-                                     f"ftsystem.{key}", path, option)
+    joined, stalled = (_spread(_field(largest, ("ftsystem", key), path, option),
+                               f"ftsystem.{key}", path, option)
                        for key in ("time_to_join_s", "join_stall_s"))
-    return joined, stalled, f"{path}, ftsystem at {max(params):,.0f} params"
+    at_step = largest["ftsystem"].get("join_step_stall_s")
+    if at_step is not None:
+        at_step = _spread(at_step, "ftsystem.join_step_stall_s", path, option).median
+    rounds = data.get("rounds") if isinstance(data, dict) else None
+    over = f", median of {rounds} rounds" if isinstance(rounds, int) else ""
+    return Rejoin(time_to_join=joined, join_stall=stalled, join_step_stall=at_step,
+                  source=f"{path}, ftsystem at {max(params):,.0f} params{over}")
 
 
 def read_evidence(host_failover: Path | None, controller: Path | None,
@@ -161,31 +193,45 @@ def read_evidence(host_failover: Path | None, controller: Path | None,
     nodes, decision_source = None, ""
     if controller is not None:
         p50, p99, nodes, decision_source = _decision(controller)
-    joined = stalled = None
-    rejoin_source = ""
-    if rejoin is not None:
-        joined, stalled, rejoin_source = _rejoin(rejoin)
+    joined = None if rejoin is None else _rejoin(rejoin)
+    source = "" if joined is None else joined.source
     return si.Evidence(
         host_stall=si.host_stall_input(layouts, host_source, timeout_s=timeout_s),
         decision=si.decision_input(p50, p99, decision_source), decision_nodes=nodes,
-        time_to_join=si.time_to_join_input(joined, f"{rejoin_source}, time_to_join_s "
-                                                   "(process start to first commit)"),
-        join_stall=si.join_stall_input(stalled, f"{rejoin_source}, join_stall_s"))
+        time_to_join=si.time_to_join_input(
+            None if joined is None else joined.time_to_join,
+            f"{source}, time_to_join_s (process start to first commit)"),
+        join_stall=si.join_stall_input(
+            None if joined is None else joined.join_stall,
+            f"{source}, join_stall_s (the members' stall from the joiner's launch to its first "
+            "computed step)",
+            at_join_step=None if joined is None else joined.join_step_stall))
+
+
+FORMULA = ("stall = (1 - hang_fraction) x host_stall + hang_fraction x straggler_bound(step) + "
+           "decision + nccl_reinit + rendezvous(survivors' ranks); relaunch = host_wait + "
+           "replica_nccl_init (shared with FT-HSDP); catch-up = time_to_join; join stall = "
+           "join_stall + decision + nccl_reinit + rendezvous(all ranks); rendezvous(n ranks, m "
+           "members) = n x (2 x store_connect + (3 + m - 1) x store_request); throughput = 1 - "
+           "2 x vote / (step + 2 x vote), vote = 2 x (replica ranks - 1) x vote_hop")
+
+
+def _input_entry(part: si.Input) -> dict:
+    return {"value": part.value, "unit": part.unit, "kind": part.kind, "source": part.source,
+            "range": list(part.range()), "sweep": list(part.points())}
 
 
 def _inputs_report(parts: dict[str, si.Input], gpus: int) -> dict:
     recovery = si.recovery(parts, gpus)
     return {
         "gpus": gpus,
-        "inputs": {name: {"value_s": p.value_s, "kind": p.kind, "source": p.source,
-                          "sweep_s": list(p.points())} for name, p in parts.items()},
+        "inputs": {name: _input_entry(p) for name, p in parts.items()},
         "by_kind": {kind: [n for n, p in parts.items() if p.kind == kind] for kind in si.KINDS},
         "recovery": {"stall_s": recovery.stall_s, "relaunch_s": recovery.relaunch_s,
                      "catchup_s": recovery.catchup_s, "join_stall_s": recovery.join_stall_s,
-                     "replica_gpus": recovery.replica_gpus},
-        "formula": "stall = host_stall + decision + nccl_reinit; relaunch = host_wait + "
-                   "replica_nccl_init; catch-up = time_to_join; join stall = join_stall + "
-                   "decision + nccl_reinit",
+                     "replica_gpus": recovery.replica_gpus, "throughput": recovery.throughput},
+        "terms": si.terms(parts, gpus),
+        "formula": FORMULA,
     }
 
 
@@ -230,17 +276,25 @@ def _print(report: dict) -> None:
                     [[LABELS[n], published, paper[n], paper["time_based"][n],
                       abs(paper[n] - published) <= ettr.PAPER_TOLERANCE]
                      for n, published in ettr.PAPER_ETTR.items()])
-    inputs = report["assumptions"]["ftsystem"]["inputs"]
-    print_table(f"ftsystem's inputs at {ettr.PAPER_GPUS:,} GPUs",
-                ["input", "seconds", "kind", "source"],
-                [[name, i["value_s"], i["kind"], i["source"]] for name, i in inputs.items()])
+    inputs = report["assumptions"]["inputs"]
+    print_table(f"Every input at {ettr.PAPER_GPUS:,} GPUs (sources below)",
+                ["input", "used by", "value", "unit", "kind", "range"],
+                [[name, ", ".join(i["used_by"]), i["value"], i["unit"], i["kind"],
+                  f"{i['range'][0]:.3g}..{i['range'][1]:.3g}"]
+                 for name, i in inputs.items()])
+    console = Console()
+    console.print("Sources:", highlight=False)
+    for name, i in inputs.items():
+        console.print(f"  {name}: {i['source']}", highlight=False, markup=False)
     sens = report.get("sensitivity", {"gpus": ettr.PAPER_GPUS, "rows": []})
-    print_table(f"Sensitivity at {sens['gpus']:,} GPUs: ftsystem ETTR (work-based) against each "
-                "input, the others at base",
-                ["input", "kind", "base s", "value s -> ETTR"],
-                [[row["input"], row["kind"], row["base_s"],
-                  "  ".join(f"{p['value_s']:.3g}->{p['work']:.3f}" for p in row["points"])]
-                 for row in sens["rows"]])
+    if sens["rows"]:
+        print_table(f"Sensitivity at {sens['gpus']:,} GPUs: ftsystem ETTR (work-based) against "
+                    "each input, the others at base, largest swing first",
+                    ["input", "kind", "base", "swing", "value -> ETTR"],
+                    [[row["input"], row["kind"], f"{row['base']:.3g} {row['unit']}",
+                      f"{row['swing'] * 100:.1f} pts",
+                      "  ".join(f"{p['value']:.3g}->{p['work']:.3f}" for p in row["points"])]
+                     for row in sens["rows"]])
     fts = report["ftsystem"]
     Console().print(f"ftsystem at {fts['gpus']:,} GPUs: ETTR {fts['ettr_100k']:.3f} work-based "
                     f"(seeds {fts['seeds_min']:.3f}..{fts['seeds_max']:.3f}), "
@@ -294,12 +348,17 @@ def ettr_command(
     def ftsystem_at(gpus: int) -> ettr.ReplicaRecovery:
         return si.recovery(si.components(evidence, gpus), gpus)
 
-    rows = [ettr.ettr_at_scale(gpus, ftsystem_at, **budget) for gpus in ettr.SCALES]
+    def fthsdp_at(gpus: int) -> ettr.ReplicaRecovery:
+        return si.fthsdp_recovery(si.components(evidence, gpus), gpus)
+
+    rows = [ettr.ettr_at_scale(gpus, ftsystem_at, fthsdp_at, **budget) for gpus in ettr.SCALES]
     for row in rows:
         recovery = ftsystem_at(row["gpus"])
         row["ftsystem_recovery_s"] = {"stall": recovery.stall_s, "relaunch": recovery.relaunch_s,
                                       "catchup": recovery.catchup_s,
                                       "join_stall": recovery.join_stall_s}
+        row["ftsystem_throughput"] = recovery.throughput
+        row["fthsdp_relaunch_s"] = fthsdp_at(row["gpus"]).relaunch_s
     at_paper_scale = next(row for row in rows if row["gpus"] == ettr.PAPER_GPUS)
     parts = si.components(evidence, ettr.PAPER_GPUS)
     report: dict = {}
@@ -320,12 +379,27 @@ def ettr_command(
             "gpus": ettr.PAPER_GPUS, "ettr": "work-based in 'work', time-based in 'time'",
             "failures_per_run": precision.sensitivity_failures,
             "seeds": precision.sensitivity_seeds,
+            "ranking": "rows sorted by swing: the largest minus the smallest work-based ETTR "
+                       "over the input's sweep",
             "rows": si.sensitivity(parts, ettr.PAPER_GPUS, lambda recovery: {
                 k: v for k, v in ettr.mean_ettr(
                     recovery, ettr.PAPER_GPUS, failure_model=model, seed=seed,
                     failures=precision.sensitivity_failures,
                     seeds=precision.sensitivity_seeds).items() if k in ("work", "time")})}
-    report["assumptions"] = {**ettr.model_assumptions(model),
+    shared = ("host_wait_s", "replica_nccl_init_s")
+    every = {name: {**_input_entry(p), "used_by": ["sync", "fthsdp", "ftsystem"]}
+             for name, p in si.baseline_inputs(model).items()}
+    for name in ("sync_restart_s", "checkpoint_write_s", "checkpoint_interval_s"):
+        every[name]["used_by"] = ["sync"]
+    for name in ("fthsdp_stall_s", "fthsdp_catchup_s"):
+        every[name]["used_by"] = ["fthsdp"]
+    every["replica_gpus"]["used_by"] = ["fthsdp", "ftsystem"]
+    every.update({name: {**_input_entry(p),
+                         "used_by": ["fthsdp", "ftsystem"] if name in shared else ["ftsystem"]}
+                  for name, p in parts.items()})
+    report["assumptions"] = {**ettr.model_assumptions(model,
+                                                      si.fthsdp_recovery(parts, ettr.PAPER_GPUS)),
+                             "inputs": every,
                              "ftsystem": {**_inputs_report(parts, ettr.PAPER_GPUS),
                                           "missing": [o for o, f in files.items() if f is None]},
                              "simulation": {"failures_per_run": precision.failures,
