@@ -290,9 +290,7 @@ def _kill(cfg_kills: list[tuple[int, int, str]]) -> list[ReplicaKill]:
     return [ReplicaKill(r, FaultPoint(step, phase)) for step, r, phase in cfg_kills]
 
 
-@pytest.mark.parametrize("warm_up", [True, False], ids=["warm-up", "cold-join"])
-def test_join_while_training(etcd, job_id, tmp_path, monkeypatch, warm_up):
-    monkeypatch.setenv("FTSYSTEM_WARM_UP", str(int(warm_up)))  # inherited by the replicas
+def test_join_while_training(etcd, job_id, tmp_path):
     cfg = RunConfig(num_replicas=3, num_steps=300, etcd=etcd.url, job=job_id, out_dir=tmp_path,
                     kills=_kill([(40, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
     assert_invariant(run_job(cfg), cfg)
@@ -303,12 +301,12 @@ def test_join_while_training(etcd, job_id, tmp_path, monkeypatch, warm_up):
     # its first commit was the join step, taken with no gradient while the members committed
     # theirs (its loader took their states of that step: the invariant above holds)
     assert r1["commits"][0][0] == catchup["join_step"] > catchup["snapshot_step"]
-    # with the warm-up, it computed one step of its loop before catching up and dropped it:
-    # the batch it drew and its dropout did not leave it off the members' state (checked above)
-    assert ("warm_up_s" in catchup) == warm_up
-    assert not warm_up or catchup["warm_up_s"] > 0
+    # with the warm-up (the default), it computed one step of its loop before catching up and
+    # dropped it: the batch it drew and its dropout did not leave it off the members' state
+    # (checked above); a join without it is the test of a log that cannot cover a transfer
+    assert catchup["warm_up_s"] > 0
     # and its snapshot arrived during that step, in tensors of its own, loaded after it
-    assert catchup.get("prefetched", False) == warm_up
+    assert catchup["prefetched"]
     # the members let it in with a log-based sync, not a full-state transfer
     join = [e for e in load_results(tmp_path)["r0"]["epochs"] if e["reason"] == "join"]
     assert join, "no join epoch"
@@ -336,7 +334,9 @@ def test_catch_up_ends_when_the_log_cannot_cover_a_snapshots_transfer(
     # A link too slow for the donor's log window: the donor keeps about one step, and the
     # joiner pauses a second after each snapshot. Every log request after a snapshot is
     # answered 410. After FTSYSTEM_CATCHUP_TRIES snapshots the joiner joins as it is, and the
-    # epoch's state sync brings it up to date.
+    # epoch's state sync brings it up to date. The joiner runs without the warm-up step (a
+    # cold join: it asks for its first snapshot before it computes anything).
+    monkeypatch.setenv("FTSYSTEM_WARM_UP", "0")  # inherited by the replicas
     monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "1")
     monkeypatch.setenv("FTSYSTEM_CATCHUP_TRIES", "2")
     monkeypatch.setenv("FTSYSTEM_CATCHUP_LOG_BYTES", str(_budget_for_one_step()))
@@ -346,6 +346,7 @@ def test_catch_up_ends_when_the_log_cannot_cover_a_snapshots_transfer(
     catchup = load_results(tmp_path)["r1"]["catchup"]
     assert catchup["gave_up_after_snapshots"] == 2, catchup
     assert len(catchup["donors"]) == 3  # two snapshots, then the log that had moved on
+    assert "warm_up_s" not in catchup and not catchup.get("prefetched"), catchup
 
 
 def _budget_for_one_step() -> int:

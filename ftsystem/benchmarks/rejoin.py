@@ -86,10 +86,10 @@ JOINER = "r2"
 JOINER_NICENESS = 19
 # (steps, emulated compute per step) per model size: enough steps to outlast the join.
 PLANS = {1_000_000: (200, 0.05), 10_000_000: (60, 0.0), 100_000_000: (18, 0.0)}
-QUICK_PLAN = {1_000_000: (400, 0.05)}
-"""``--quick``: a smoke run of the wiring and the JSON, not figures. The members train 20 s
-and more after the joiner starts: its imports alone took 30 s on a loaded machine, and a joiner
-that arrives after the last step has nothing to join."""
+QUICK_PLAN = {1_000_000: (250, 0.05)}
+"""``--quick``: a smoke run of the wiring and the JSON, not figures. The members train about
+40 s after the joiner starts (steps of 0.15 s and more): its imports alone took 30 s on a loaded
+machine, and a joiner that arrives after the last step has nothing to join."""
 SYSTEMS = ("ftsystem", "cold-join", "blocking", "torchft")
 LOOPBACK_BYTES, LOOPBACK_CHUNK, LOOPBACK_TRIES = 1 << 30, 64 << 20, 3
 PHASE_TIMEOUT_S = 300.0
