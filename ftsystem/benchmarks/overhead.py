@@ -217,15 +217,17 @@ def _wait_all(procs: list, timeout_s: float,
     when the timeout ran out). Its peers would wait for it forever, so stop at the first.
     Once every process exited 0 or is ``finished``, the rest get ``teardown_s`` to exit, then
     count as done: their results are written, and a teardown that hangs (a gloo peer or the
-    FileStore's file already gone) must not hold the benchmark for the whole timeout."""
+    FileStore's file already gone) must not hold the benchmark for the whole timeout. A
+    process that crashes after it is ``finished`` (gloo's threads once aborted a DDP rank's
+    exit: "terminate called without an active exception") failed nothing it measured."""
     deadline = time.monotonic() + timeout_s
     all_finished_at = None
     while time.monotonic() < deadline:
         codes = [proc.poll() for proc in procs]
         for index, code in enumerate(codes):
-            if code not in (None, 0):
+            if code not in (None, 0) and not finished(index):
                 return index, code
-        if all(code == 0 for code in codes):
+        if all(code is not None for code in codes):  # each 0, or crashed once finished
             return None
         if all(code == 0 or finished(index) for index, code in enumerate(codes)):
             all_finished_at = all_finished_at or time.monotonic()
