@@ -389,9 +389,9 @@ class MembershipLoop:
                 continue  # gone anyway
             self.evicted[member] = self.registrations[member].generation
             reporters = sorted(m for m, r in self.registrations.items() if member in r.late)
-            log.warning("removing %s: it had not arrived at the all-reduce of epoch %d within "
-                        "the straggler bound (reported by %s)", member, self.epoch.number,
-                        ",".join(reporters))
+            log.warning("removing %s: named at the all-reduce of epoch %d, silent (its beats "
+                        "stood still) or late past the straggler bound (reported by %s)",
+                        member, self.epoch.number, ",".join(reporters))
 
     def _export_ettr(self) -> None:
         for kind, value in self.ettr.values(time.time()).items():

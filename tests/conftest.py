@@ -33,6 +33,9 @@ os.environ.setdefault("FTSYSTEM_ETCD_RETRY_S", "10")
 # seconds now and then: a 2 s straggler floor would evict healthy replicas there. The bound's
 # own tests (test_stragglers.py, test_membership.py) remove or override it.
 os.environ.setdefault("FTSYSTEM_STRAGGLER_FLOOR_S", "5")
+# The same stalls can hold a process's beats: a silence of 2 s, not 0.6, names a member there
+# (test_stragglers.py keeps the default).
+os.environ.setdefault("FTSYSTEM_STRAGGLER_SILENCE_S", "2")
 # Agents are closed by default: every agent a test starts finds the job's token in its
 # environment, as in a deployment, and hands it to its ranks (the controllers use the same one).
 os.environ.setdefault("FTSYSTEM_API_TOKEN", API_TOKEN)

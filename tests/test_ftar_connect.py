@@ -8,6 +8,7 @@ and a TCPStore whose process is SIGSTOPped (a hung ``members[0]``, which hosts t
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import signal
@@ -22,9 +23,8 @@ import torch.distributed as dist
 from torchft.process_group import create_store_client
 
 from ftsystem.control.membership import Epoch
-from ftsystem.training.ftar import (ARRIVAL_STORE_TIMEOUT_S, BEAT_S, FROZEN_AFTER_BEATS,
-                                    EpochChanged, FaultTolerantAllReduce, _Beats, _MarksRead,
-                                    frozen_members)
+from ftsystem.training.ftar import (ARRIVAL_STORE_TIMEOUT_S, SILENT_AFTER_S, EpochChanged,
+                                    FaultTolerantAllReduce, _Beats, _MarksRead, silent_members)
 
 TIMEOUT_S = 20.0
 
@@ -113,6 +113,7 @@ def test_an_early_read_still_unanswered_at_the_bound_names_the_store_host_whatev
     monkeypatch.setattr(ftar, "_read_marks", silent_read)
 
     check = _StragglerCheck(ftar, epoch, 7, bound_s=2.0)
+    check.silence.next_at = math.inf  # its reads of the beats: the test below
     now[0] = check.check_at - check.lead_s + 0.002  # the poll that starts the early read
     check.poll()
     assert len(reads) == 1
@@ -124,7 +125,7 @@ def test_an_early_read_still_unanswered_at_the_bound_names_the_store_host_whatev
     assert time.monotonic() - started < ARRIVAL_STORE_TIMEOUT_S / 2
 
 
-def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_frozen():
+def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_silent():
     """A member that arrived and then froze inside the all-reduce (a SIGSTOP: its mark says it
     is there, so the collective looked only slow, and the survivors waited for the watchdog) is
     named once its beats stood still between two reads; a live one, beating, is not."""
@@ -140,11 +141,12 @@ def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_frozen():
     ftar._arrivals = client()
     for rank in range(3):
         ftar._arrivals.set(str(rank), "7")  # everyone marked step 7
-    live = _Beats(client(), rank=1)  # r1 beats; r0 froze after its mark
+    ftar._arrivals.add("beat0", 4)  # r0 beat, then froze after its mark
+    live = _Beats(client(), rank=1)  # r1 beats
     try:
         early = ftar._read_marks(epoch, 7)
         assert early.done.wait(5)
-        time.sleep(FROZEN_AFTER_BEATS * BEAT_S + 0.2)
+        time.sleep(SILENT_AFTER_S + 0.2)
         assert ftar._late_members(epoch, 7, early) == ("r0",)
         early = ftar._read_marks(epoch, 7)  # too close to the next read to tell: only slow
         assert early.done.wait(5)
@@ -153,14 +155,53 @@ def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_frozen():
         live.stop()
 
 
-def test_frozen_members_counts_only_members_marked_in_both_reads():
-    beats = {"r0": 4, "r1": 2, "r2": 9}
-    early = _MarksRead(10.0, late=("r1",), beats=beats, beats_read=(10.0, 10.1))
-    now = _MarksRead(11.0, late=(), beats=beats, beats_read=(11.0, 11.1))
-    # r0 stood still: frozen. r1 arrived between the reads (its mark moved). r2 reads.
-    assert frozen_members(early, now, me="r2") == ("r0",)
-    assert frozen_members(None, now, me="r2") == ()
-    # Counts read less than three beats apart tell nothing, also when the early read started
+def test_silent_members_are_those_whose_beats_stood_still_whatever_their_mark():
+    early = _MarksRead(10.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 9, "r3": 0, "r4": 5},
+                       beats_read=(10.0, 10.1))
+    now = _MarksRead(11.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 9, "r3": 0, "r4": 8},
+                     beats_read=(11.0, 11.1))
+    # r0 (marked) and r1 (not arrived) stood still: silent, as a dead host is wherever it was
+    # in its step. r2 reads. r3 had not beaten yet (building its group): not judged. r4 beats.
+    assert silent_members(early, now, me="r2") == ("r0", "r1")
+    assert silent_members(None, now, me="r2") == ()
+    # Counts read less than SILENT_AFTER_S apart tell nothing, also when the early read started
     # long before (a slow store answered it late).
-    late_answer = _MarksRead(10.0, late=(), beats=beats, beats_read=(10.9, 10.95))
-    assert frozen_members(late_answer, now, me="r2") == ()
+    late_answer = _MarksRead(10.0, late=(), beats=early.beats, beats_read=(10.9, 10.95))
+    assert silent_members(late_answer, now, me="r2") == ()
+
+
+def test_a_wait_names_a_member_whose_beats_stood_still_within_a_second(monkeypatch):
+    """The silence check of a wait at a step's all-reduce: the beats read once the wait has
+    lasted SILENCE_LEAD_S, and again SILENT_AFTER_S after that read answered; a member whose
+    count did not move is named by the poll that sees the second read, long before the bound."""
+    from ftsystem.training import ftar as module
+    from ftsystem.training.ftar import SILENCE_LEAD_S, SilentMembers, _StragglerCheck
+
+    now = [100.0]
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                        sleep=time.sleep))
+    epoch = Epoch(number=1, members=("r0", "r1", "r2"))
+    control = SimpleNamespace(epoch=epoch, ctx=SimpleNamespace(job="j", replica_id="r2"))
+    ftar = FaultTolerantAllReduce(control, timeout_s=TIMEOUT_S)
+    counts = iter([{"r0": 3, "r1": 7, "r2": 5}, {"r0": 3, "r1": 10, "r2": 8}])
+    reads = []
+
+    def answered_read(epoch, step):  # a store that answers at once
+        read = _MarksRead(now[0], late=(), beats=next(counts), beats_read=(now[0], now[0]))
+        read.done.set()
+        reads.append(read)
+        return read
+    monkeypatch.setattr(ftar, "_read_marks", answered_read)
+
+    check = _StragglerCheck(ftar, epoch, 7, bound_s=10.0)
+    check.poll()
+    assert reads == []  # a short wait reads nothing
+    now[0] += SILENCE_LEAD_S
+    check.poll()  # the first read
+    check.poll()  # ... answered: compared with nothing
+    now[0] += SILENT_AFTER_S + 0.01
+    check.poll()  # the second read
+    with pytest.raises(SilentMembers) as raised:
+        check.poll()
+    assert raised.value.late == ("r0",) and len(reads) == 2
+    assert "r0 stopped beating" in str(raised.value)

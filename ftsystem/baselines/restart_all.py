@@ -15,7 +15,8 @@ Failure injection, from :class:`ftsystem.chaos.spec.Order` s naming replicas ``r
 - ``partition`` (``netns=True``): each node is a host in its own network namespace and its link
   goes down for the duration, without a TCP reset;
 - ``host-kill``: every process of the node at once (its torchrun agent and worker; with
-  ``netns``, all of its namespace), and after the order's duration its torchrun agent starts
+  ``netns``, its link goes down first and then all of its namespace dies, so that no socket's
+  reset or FIN tells the peers), and after the order's duration its torchrun agent starts
   again, as a rebooted host's would (a scheduler's restart of the node, as ftsystem's
   ``host-kill`` restarts the node's agent); the others wait for it in the next rendezvous round.
 
@@ -308,6 +309,8 @@ class RestartAllJob:
     def _reboot(self, node: Node, down_s: float) -> str:
         with self._lock:
             node.down = True
+            if node.host is not None:  # silent, as ftsystem's host-kill: no reset, no FIN
+                node.host.partition()
             pids = namespace_pids(node.host.name) if node.host is not None else []
             for pid in pids:  # the whole host at once, as ftsystem's host-kill does
                 with contextlib.suppress(ProcessLookupError):
@@ -325,6 +328,8 @@ class RestartAllJob:
         with self._lock:
             for node in self.nodes:
                 if node.rebooted:
+                    if node.host is not None:
+                        node.host.heal()
                     self._launch(node)
                     node.down = node.rebooted = False
 

@@ -145,10 +145,17 @@ def state_hash(trainer: Trainer) -> str:
     return digest.hexdigest()
 
 
+ENV_HOST = "FTSYSTEM_TORCHFT_HOST"
+"""The address this replica's manager and store are reached at by the others (default
+``localhost``: every replica on one host). A replica in an emulated host of its own (a network
+namespace) names the host's address."""
+
+
 def build_manager(trainer: Trainer) -> tuple[Manager, TCPStore]:
     """A torchft Manager for a replica group of one rank, hosting the group's own TCPStore."""
+    host = os.environ.get(ENV_HOST, "localhost")
     # torchft expects the replica group's store to exist before the Manager (torchrun's job).
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=MANAGER_TIMEOUT),
         load_state_dict=trainer.load_state_dict,
@@ -160,10 +167,10 @@ def build_manager(trainer: Trainer) -> tuple[Manager, TCPStore]:
         heartbeat_interval=HEARTBEAT_INTERVAL,
         rank=0,
         world_size=1,
-        store_addr="localhost",
+        store_addr=host,
         store_port=store.port,
         replica_id=f"torchft_replica_{trainer.replica}",
-        hostname="localhost",
+        hostname=host,
     )
     return manager, store
 

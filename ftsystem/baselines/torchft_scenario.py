@@ -31,6 +31,7 @@ import ftsystem
 from ftsystem.baselines import torchft_replica
 from ftsystem.baselines.torchft_replica import BATCH_SIZE, LEARNING_RATE, SEED, progress_path
 from ftsystem.control.etcd_server import free_port
+from ftsystem.launch.netns import Host, HostNetwork
 from ftsystem.launch.procs import kill_and_reap, wait_listening
 
 # How long the lighthouse keeps counting a silent replica as alive. After a SIGKILL the
@@ -200,6 +201,10 @@ class _Replica:
     """CPU priority offset (``nice``) of this replica's processes."""
     down_until: float = 0.0
     """Unix time before which a killed replica is not restarted (its host is down)."""
+    host: Optional[Host] = None
+    """The emulated host (network namespace) this replica runs in; None: loopback."""
+    cut: bool = False
+    """Its host's link is down (a silent host death): it comes back up at the next start."""
 
     def path(self, suffix: str, generation: Optional[int] = None) -> Path:
         generation = self.generation if generation is None else generation
@@ -213,6 +218,11 @@ class _Replica:
                             "--out", str(self.path(".json"))]
         if self.niceness:
             args = ["nice", "-n", str(self.niceness), *args]
+        if self.host is not None:
+            if self.cut:  # the host reboots: its link first
+                self.host.heal()
+                self.cut = False
+            args = in_host(self.host, args)
         with self.path(".log").open("wb") as log:
             self.proc = subprocess.Popen(args, env=self.env, cwd=self.workdir, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -247,6 +257,9 @@ class _Cluster:
     deadline: float = 0.0
     lighthouse_settings: Optional[LighthouseSettings] = None
     """The lighthouse's timing flags; None: this module's constants."""
+    network: Optional[HostNetwork] = None
+    """Replica ``i`` runs in ``network.hosts[i]`` (the lighthouse stays on the bridge's side);
+    None: everything on loopback."""
 
     def __enter__(self) -> "_Cluster":
         self.deadline = time.monotonic() + self.timeout_s
@@ -274,12 +287,17 @@ class _Cluster:
         problem = wait_listening("localhost", port, self.lighthouse, timeout_s=30)
         if problem is not None:
             raise RuntimeError(f"torchft_lighthouse {problem}")
-        self.lighthouse_addr = f"http://localhost:{port}"
+        where = "localhost" if self.network is None else self.network.bridge_address
+        self.lighthouse_addr = f"http://{where}:{port}"
 
     def add_replica(self, index: int, niceness: int = 0) -> _Replica:
         """Start replica ``index`` under supervision."""
-        replica = _Replica(index=index, workdir=self.workdir, argv=self.replica_argv,
-                           env=_replica_env(self.lighthouse_addr), niceness=niceness)
+        host = None if self.network is None else self.network.hosts[index]
+        env = _replica_env(self.lighthouse_addr)
+        if host is not None:
+            env[torchft_replica.ENV_HOST] = host.address
+        replica = _Replica(index=index, workdir=self.workdir, argv=self.replica_argv, env=env,
+                           niceness=niceness, host=host)
         self.replicas[index] = replica
         replica.start()
         return replica
@@ -310,11 +328,15 @@ class _Cluster:
 
     def kill(self, index: int, down_s: float = 0.0) -> float:
         """SIGKILL replica ``index``'s process group (its whole process tree, at once: it leads
-        its own session); it is restarted ``down_s`` later, at the earliest. Returns the unix
-        time of the kill."""
+        its own session); it is restarted ``down_s`` later, at the earliest. In an emulated
+        host, the host's link goes down first: a dead host sends no reset and no FIN, so its
+        peers learn of the death from silence. Returns the unix time of the kill (the cut)."""
         replica = self.replicas[index]
         replica.killed_by_us = True
         kill_time = time.time()
+        if replica.host is not None:
+            replica.host.partition()
+            replica.cut = True
         replica.down_until = kill_time + down_s
         kill_and_reap(replica.proc)
         return kill_time
@@ -332,6 +354,14 @@ class _Cluster:
                 kill_and_reap(replica.proc)
         if self.lighthouse is not None:
             kill_and_reap(self.lighthouse)
+
+
+def in_host(host: Host, cmd: list[str]) -> list[str]:
+    """``cmd`` run in ``host``, under a hostname of its own: the host's address. torchft's HTTP
+    checkpoint transport advertises ``socket.gethostname()``, which on an emulated host would
+    resolve to loopback, as the machine's name does (pure)."""
+    return host.wrap(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                      host.address, *cmd])
 
 
 def replica_command(*, steps: int, model_params: Optional[int], sleep_per_step: float,
@@ -369,8 +399,11 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
                          batch_size: int = BATCH_SIZE, lr: float = LEARNING_RATE,
                          seed: int = SEED, timeout_s: float = 600.0, down_s: float = 0.0,
                          lighthouse: Optional[LighthouseSettings] = None,
-                         until_rejoined: bool = False) -> dict:
+                         until_rejoined: bool = False,
+                         network: Optional[HostNetwork] = None) -> dict:
     """Train ``num_replicas`` torchft replicas and SIGKILL ``victim`` ``num_failures`` times.
+    With ``network`` (at least ``num_replicas`` hosts), each replica runs in a host of its own
+    and a kill is a silent host death (``_Cluster.kill``).
 
     A kill SIGKILLs the victim's whole process group at once (the replica leads its own
     session), as a host dying with it would; the victim is restarted ``down_s`` after the kill
@@ -396,7 +429,7 @@ def run_torchft_failover(*, num_replicas: int = 4, num_failures: int, steps: int
     argv = replica_command(steps=steps, model_params=model_params, sleep_per_step=sleep_per_step,
                            batch_size=batch_size, lr=lr, seed=seed, last_step_file=last_step_file)
     with _Cluster(workdir=workdir, replica_argv=argv, timeout_s=timeout_s,
-                  lighthouse_settings=lighthouse) as cluster:
+                  lighthouse_settings=lighthouse, network=network) as cluster:
         for index in range(num_replicas):
             cluster.add_replica(index)
         cluster.wait_until(lambda: _warmed_up(cluster), "all replicas to commit")

@@ -8,14 +8,17 @@ instant to the survivors' next commit, minus their normal step time (``ftsystem.
 loopback, each time after it has rejoined; its agent lives on and reports the exit. torchft
 runs at its default lighthouse timing and at a 1 s heartbeat timeout.
 
-``--scenario host``: a whole host dies with everything on it. ftsystem runs with every node in
-its own network namespace (``run_job(netns=True)``, the default ``--timeout``) and the fault is
-a ``host-kill`` chaos order: every process of the victim's host, its agent included, SIGKILLed
-at once; the host "reboots" (its agent starts again) ``--down`` seconds later. With
-``--nodes-per-replica 2`` the host is one node (chosen at random) of the victim's 2-node replica.
-torchft has no agent: the equivalent is a SIGKILL of the victim replica's whole process tree at
-once, restarted ``--down`` seconds later; it runs at torchft's default lighthouse timing and at a
-1 s heartbeat timeout.
+``--scenario host``: a whole host dies with everything on it, silently: its link goes down
+first, then every process on it is SIGKILLed at once, so that no socket's reset or FIN tells
+the peers (a host that loses power sends nothing; killing its processes with the link up would
+announce the death at once). ftsystem runs with every node in its own network namespace
+(``run_job(netns=True)``, the default ``--timeout``) and the fault is a ``host-kill`` chaos
+order on the victim's host, its agent included; the host "reboots" (link up, its agent starts
+again) ``--down`` seconds later. With ``--nodes-per-replica 2`` the host is one node (chosen at
+random) of the victim's 2-node replica. torchft has no agent: each of its replicas runs in a
+namespace of its own, and the victim's host dies the same way (link down, its whole process
+tree SIGKILLed), restarted ``--down`` seconds later; it runs at torchft's default lighthouse
+timing and at a 1 s heartbeat timeout.
 
 Every system trains one spec (``harness.RunSpec``): the same replicas, model, batch, learning
 rate and data (the example program's defaults), steps and emulated compute; each run records it
@@ -385,15 +388,18 @@ def run_ftsystem_host(spec: RunSpec, *, num_failures: int, interval_s: float, do
 
 def run_torchft_host(spec: RunSpec, *, num_failures: int, interval_s: float, down_s: float,
                      workdir: Path, setting: str) -> dict:
-    """The host scenario on torchft: the victim's process tree SIGKILLed at once, restarted
-    ``down_s`` later; ``setting`` "torchft" is torchft's default lighthouse timing, "torchft_1s"
-    the 1 s heartbeat timeout of the process scenario."""
+    """The host scenario on torchft: every replica in a host of its own (a network namespace),
+    the victim's host dying silently (its link down, then its process tree SIGKILLed at once)
+    and rebooted ``down_s`` later; ``setting`` "torchft" is torchft's default lighthouse
+    timing, "torchft_1s" the 1 s heartbeat timeout of the process scenario."""
     from ftsystem.baselines.torchft_scenario import run_torchft_failover
+    from ftsystem.launch.netns import HostNetwork, unique_network_name
     started = time.time()
-    out = run_torchft_failover(**harness.torchft_training(spec), num_failures=num_failures,
-                               workdir=workdir, kill_interval_s=interval_s, victim=VICTIM,
-                               down_s=down_s, lighthouse=_lighthouse(setting),
-                               timeout_s=TORCHFT_HOST_TIMEOUT_S)
+    with HostNetwork(spec.num_replicas, name=unique_network_name("tf")) as network:
+        out = run_torchft_failover(**harness.torchft_training(spec), num_failures=num_failures,
+                                   workdir=workdir, kill_interval_s=interval_s, victim=VICTIM,
+                                   down_s=down_s, lighthouse=_lighthouse(setting),
+                                   timeout_s=TORCHFT_HOST_TIMEOUT_S, network=network)
     # Every generation's commits: whether the victim was training at a failure needs them.
     timelines = harness.read_timelines("torchft", workdir)
     faults = [{"at": t, "at_s": t - started} for t in out["failures"]]

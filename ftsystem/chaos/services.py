@@ -6,10 +6,14 @@ leading controller (or the etcd member that leads the Raft group), keeps it down
 duration, and starts it again as a Deployment or a StatefulSet would. Training must not notice
 more than a short pause of membership changes.
 
-Host orders hit one node of a replica as a machine fails: ``host-kill`` SIGKILLs every process
-in the node's network namespace at once, the agent included (nothing is left to report it),
-and after the order's duration starts the node's agent again, as a rebooted host would;
-``host-partition`` takes the node's link down for the duration while its processes live on.
+Host orders hit one node of a replica as a machine fails: ``host-kill`` takes the node's link
+down, then SIGKILLs every process in its network namespace at once, the agent included (nothing
+is left to report it). A dead host sends nothing: no reset, no FIN, so its peers learn of its
+death from silence, as they would from a machine that lost power or a NIC that failed; killing
+the processes with the link up would close every socket and tell the peers at once. After the
+order's duration the link comes back and the node's agent starts again, as a rebooted host
+would. ``host-partition`` takes the node's link down for the duration while its processes live
+on.
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ class ServiceChaos:
             await asyncio.sleep(order.duration_s)
             await asyncio.to_thread(host.heal)
             return f"host {host.name} cut off for {order.duration_s:g}s"
+        await asyncio.to_thread(host.partition)  # first: the sockets' last words go nowhere
         pids = await asyncio.to_thread(namespace_pids, host.name)
         for pid in pids:  # one loop of kill(2): the processes die within microseconds
             try:
@@ -126,8 +131,9 @@ class ServiceChaos:
             except ProcessLookupError:
                 pass
         await asyncio.sleep(order.duration_s)
+        await asyncio.to_thread(host.heal)
         await asyncio.to_thread(restart)
-        return f"SIGKILL to all {len(pids)} processes of host {host.name}; " \
+        return f"link down, then SIGKILL to all {len(pids)} processes of host {host.name}; " \
                f"rebooted after {order.duration_s:g}s"
 
     async def _pause_etcd(self, pause_s: float) -> str:

@@ -74,7 +74,10 @@ class Timeouts:
 ENV_STRAGGLER_FACTOR = "FTSYSTEM_STRAGGLER_FACTOR"
 ENV_STRAGGLER_FLOOR_S = "FTSYSTEM_STRAGGLER_FLOOR_S"
 ENV_STRAGGLER_CEILING_S = "FTSYSTEM_STRAGGLER_CEILING_S"
+ENV_STRAGGLER_SILENCE_S = "FTSYSTEM_STRAGGLER_SILENCE_S"
 DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S = 4.0, 2.0
+DEFAULT_STRAGGLER_SILENCE_S = 0.6
+"""Three of the members' beats (``ftsystem.training.ftar.BEAT_S``, 0.2 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +95,19 @@ class StragglerBound:
     factor: float = DEFAULT_STRAGGLER_FACTOR
     floor_s: float = DEFAULT_STRAGGLER_FLOOR_S
     ceiling_s: float = Timeouts(30.0).watchdog_s
+    silence_s: float = DEFAULT_STRAGGLER_SILENCE_S
+    """A member whose beats stood still this long while another waited for it at the
+    all-reduce is named at once, without waiting for the bound: dead, frozen or cut off (its
+    beats come from a thread of their own, whatever its loop is doing)."""
 
     def __post_init__(self) -> None:
-        if not (self.factor >= 1 and 0 < self.floor_s <= self.ceiling_s):
+        if not (self.factor >= 1 and 0 < self.floor_s <= self.ceiling_s
+                and 0 < self.silence_s <= self.ceiling_s):
             raise TimeoutConfigError(
                 f"straggler bound factor {self.factor:g}, floor {self.floor_s:g} s, ceiling "
-                f"{self.ceiling_s:g} s: need factor >= 1 and 0 < floor <= ceiling (set "
-                f"{ENV_STRAGGLER_FACTOR}, {ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S})")
+                f"{self.ceiling_s:g} s, silence {self.silence_s:g} s: need factor >= 1, "
+                f"0 < floor <= ceiling and 0 < silence <= ceiling (set {ENV_STRAGGLER_FACTOR}, "
+                f"{ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S}, {ENV_STRAGGLER_SILENCE_S})")
 
     def bound_s(self, step_times: Sequence[float]) -> float:
         if not step_times:
@@ -114,9 +123,11 @@ class StragglerBound:
             # ceiling wins there (never later than the watchdog would restart a hung rank).
             floor = min(float(env.get(ENV_STRAGGLER_FLOOR_S, DEFAULT_STRAGGLER_FLOOR_S)),
                         ceiling)
+            silence = min(float(env.get(ENV_STRAGGLER_SILENCE_S, DEFAULT_STRAGGLER_SILENCE_S)),
+                          ceiling)
             return cls(factor=float(env.get(ENV_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FACTOR)),
-                       floor_s=floor, ceiling_s=ceiling)
+                       floor_s=floor, ceiling_s=ceiling, silence_s=silence)
         except ValueError as e:
             raise TimeoutConfigError(f"straggler bound: {e} (set {ENV_STRAGGLER_FACTOR}, "
-                                     f"{ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S} to "
-                                     "numbers)") from e
+                                     f"{ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S}, "
+                                     f"{ENV_STRAGGLER_SILENCE_S} to numbers)") from e

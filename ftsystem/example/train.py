@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="approximate parameter count (0: the small default model)")
     p.add_argument("--sleep-per-step", type=float, default=0.0,
                    help="extra seconds per step, to emulate a slower accelerator")
+    p.add_argument("--straggle", type=_straggle, default=None, metavar="STEP:SECONDS",
+                   help="sleep SECONDS before the all-reduce of step STEP, once: a replica "
+                        "alive but holding the others back (its beats go on)")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="all-reduce gradient buckets during backward (auto: on GPU only)")
     p.add_argument("--loop", choices=("real", "plain"), default="real",
@@ -191,6 +194,16 @@ def shard_model(model: TinyGPT) -> None:
     fully_shard(model)
 
 
+def _straggle(text: str) -> tuple[int, float]:
+    step, sep, seconds = text.partition(":")
+    try:
+        if sep:
+            return int(step), float(seconds)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected STEP:SECONDS (as 40:5), not {text!r}")
+
+
 def train(ft: FTReplica, model: TinyGPT, batches: Iterator[torch.Tensor],
           scaler: torch.amp.GradScaler, args: argparse.Namespace, device: torch.device
           ) -> float | None:
@@ -206,6 +219,8 @@ def train(ft: FTReplica, model: TinyGPT, batches: Iterator[torch.Tensor],
         scaler.scale(step_loss).backward()
         if args.sleep_per_step:
             time.sleep(args.sleep_per_step)
+        if args.straggle is not None and ft.step + 1 == args.straggle[0]:
+            time.sleep(args.straggle[1])
         if ft.commit(loss=step_loss.item(), samples=args.batch_size):
             loss = step_loss.item()
             if progress is not None:

@@ -11,8 +11,10 @@ Waiting is always interruptible: while a rendezvous or a collective is in flight
 abandons it (:class:`EpochChanged`), a peer failure or the timeout fails it
 (:class:`CollectiveFailed`), and a peer that has not arrived at a step's all-reduce within the
 straggler bound is named (:class:`Stragglers`): every member of shard 0 marks its arrival at
-each step in the epoch's store and beats there all epoch long, and one that waited the bound
-reads whose mark is missing, or whose beats stood still (frozen after it arrived). Gloo cannot
+each step in the epoch's store and beats there all epoch long: one that waits reads the beats
+twice, and a member whose count stood still in between is dead, frozen or cut off (a dead host
+sends nothing, not even a reset: this is how its death is known in under a second); one that
+waited the bound also reads whose mark is missing. Gloo cannot
 cancel an operation in flight, so an abandoned group is dropped with its buffers (callers pass
 a fresh buffer on every attempt) and a new group is built for the new epoch: in the background,
 from the moment the epoch is published, so that the rendezvous overlaps the end of the step in
@@ -56,6 +58,12 @@ long, on a thread and a connection of its own. A member marked at the step whose
 still for ``FROZEN_AFTER_BEATS`` beats is frozen (SIGSTOP, a stopped VM, cut off from the
 store's host) inside the all-reduce, not slow: its mark alone says it arrived."""
 FROZEN_AFTER_BEATS = 3
+SILENT_AFTER_S = FROZEN_AFTER_BEATS * BEAT_S
+"""Beat counts read this far apart that did not move name a silent member (the default of
+``StragglerBound.silence_s``, ``FTSYSTEM_STRAGGLER_SILENCE_S``; never less)."""
+SILENCE_LEAD_S = 0.1
+"""A wait at a step's all-reduce reads the beats once it has lasted this long, and again the
+silence later: a wait as short as most all-reduces costs no read at all."""
 WATCH_POLL_S = 1.0
 """How often the thread that prepares published epochs looks whether the FTAR was shut down."""
 DEVICE_POLL_S = 0.0002
@@ -78,10 +86,21 @@ class CollectiveFailed(Exception):
 class Stragglers(CollectiveFailed):
     """Members that had not arrived at a step's all-reduce within the straggler bound."""
 
-    def __init__(self, late: tuple[str, ...], step: int, bound_s: float) -> None:
-        super().__init__(f"{', '.join(late)} had not arrived at the all-reduce of step {step} "
-                         f"within {bound_s:.1f} s (the straggler bound)")
+    def __init__(self, late: tuple[str, ...], step: int, bound_s: float,
+                 why: str = "") -> None:
+        super().__init__(why or f"{', '.join(late)} had not arrived at the all-reduce of step "
+                         f"{step} within {bound_s:.1f} s (the straggler bound)")
         self.late = late
+
+
+class SilentMembers(Stragglers):
+    """Members whose beats stood still while this one waited at a step's all-reduce: dead,
+    frozen or cut off. Reported and handled as stragglers."""
+
+    def __init__(self, silent: tuple[str, ...], step: int, silence_s: float) -> None:
+        super().__init__(silent, step, silence_s, why=(
+            f"{', '.join(silent)} stopped beating for {silence_s:.1f} s while this member waited "
+            f"at the all-reduce of step {step} (dead, frozen or cut off)"))
 
 
 class DeviceWedged(RuntimeError):
@@ -210,7 +229,7 @@ class FaultTolerantAllReduce:
         self._pg: ProcessGroupWrapper | None = None
         self._arrivals = None
         """Shard 0: a client of the epoch's store, where members mark their arrival at steps."""
-        self._arrival: tuple[int, float] | None = None
+        self._arrival: tuple[int, float, float] | None = None
         """(step, bound) while this member waits at that step's all-reduce."""
         self._beats: _Beats | None = None
         self._aborting: list[threading.Thread] = []
@@ -392,11 +411,14 @@ class FaultTolerantAllReduce:
         return outcome[0]
 
     @contextlib.contextmanager
-    def arrival(self, step: int, bound_s: float) -> Iterator[None]:
-        """Around a step's all-reduce: mark this member arrived at ``step``; a wait in it longer
-        than ``bound_s`` then reads which members have not arrived, and raises
-        :class:`Stragglers` naming them. Shard 0 only (a replica's ranks step together: one
-        held back holds back its rank 0, through the replica's own collectives)."""
+    def arrival(self, step: int, bound_s: float,
+                silence_s: float = SILENT_AFTER_S) -> Iterator[None]:
+        """Around a step's all-reduce: mark this member arrived at ``step``; a wait in it
+        raises :class:`SilentMembers` naming the members whose beats stood still for
+        ``silence_s``, and once longer than ``bound_s`` reads which members have not arrived,
+        and raises :class:`Stragglers` naming them. Shard 0 only (a replica's ranks step
+        together: one held back holds back its rank 0, through the replica's own
+        collectives)."""
         if self._arrivals is None:
             yield
             return
@@ -404,7 +426,7 @@ class FaultTolerantAllReduce:
             self._arrivals.set(str(self.rank), str(step))
         except (RuntimeError, ValueError):
             pass  # the store's host is gone: the collective fails without help
-        self._arrival = (step, bound_s)
+        self._arrival = (step, bound_s, silence_s)
         try:
             yield
         finally:
@@ -428,8 +450,8 @@ class FaultTolerantAllReduce:
         read.done.wait(ARRIVAL_STORE_TIMEOUT_S)
         if read.late is None:
             return (epoch.members[0],)
-        frozen = frozen_members(early, read, me=self.control.ctx.replica_id)
-        return read.late + tuple(m for m in frozen if m not in read.late)
+        silent = silent_members(early, read, me=self.control.ctx.replica_id)
+        return read.late + tuple(m for m in silent if m not in read.late)
 
     def _read_marks(self, epoch: Epoch, step: int) -> "_MarksRead":
         """Start reading which members' marks are behind ``step``, on a thread of its own."""
@@ -569,9 +591,10 @@ class FaultTolerantAllReduce:
                                    f"device: {error}")
 
     def _wait(self, ready: Callable[[], bool], epoch: Epoch,
-              arrival: tuple[int, float] | None = None) -> None:
+              arrival: tuple[int, float, float] | None = None) -> None:
         """Poll ``ready`` (which may block up to ``POLL_S``) until it holds; a newer epoch or
-        the timeout interrupts the wait, and so do stragglers at ``arrival`` (step, bound)."""
+        the timeout interrupts the wait, and so do stragglers at ``arrival`` (step, bound,
+        silence)."""
         deadline = time.monotonic() + self.timeout_s
         stragglers = _StragglerCheck(self, epoch, *arrival) if arrival is not None else None
         while not ready():
@@ -598,17 +621,20 @@ class _MarksRead:
     """When the reading of ``beats`` started and ended."""
 
 
-def frozen_members(early: _MarksRead | None, now: _MarksRead, me: str) -> tuple[str, ...]:
-    """The members other than ``me`` marked at the step in both reads whose beat count stood
-    still between them; none unless the counts were read ``FROZEN_AFTER_BEATS`` beats apart
-    (a live member beats in between: a read that a slow store answered late is nearer the next
-    than its start)."""
-    if early is None or early.late is None or early.beats is None or now.beats is None or \
-            now.beats_read[0] - early.beats_read[1] < FROZEN_AFTER_BEATS * BEAT_S:
+def silent_members(early: _MarksRead | None, now: _MarksRead, me: str,
+                   after_s: float = SILENT_AFTER_S) -> tuple[str, ...]:
+    """The members other than ``me`` whose beat count stood still between two reads: dead,
+    frozen (SIGSTOP, a stopped VM) or cut off from the store's host, whatever their mark says
+    (a live member beats on a thread of its own, whatever its loop is doing). None unless the
+    counts were read ``after_s`` apart (a read that a slow store answered late is nearer the
+    next than its start). A member that had not beaten yet at the first read (still
+    building its group) is not judged: if it never arrives, the bound's read of the marks
+    names it (pure)."""
+    if early is None or early.beats is None or now.beats is None or \
+            now.beats_read[0] - early.beats_read[1] < after_s:
         return ()
-    behind = set(early.late) | set(now.late)
     return tuple(m for m, count in now.beats.items()
-                 if m != me and m not in behind and early.beats.get(m) == count)
+                 if m != me and early.beats.get(m, 0) > 0 and early.beats.get(m) == count)
 
 
 class _StragglerCheck:
@@ -619,17 +645,23 @@ class _StragglerCheck:
     otherwise cost the survivors the bound plus that timeout)."""
 
     def __init__(self, ftar: FaultTolerantAllReduce, epoch: Epoch, step: int,
-                 bound_s: float) -> None:
+                 bound_s: float, silence_s: float = SILENT_AFTER_S) -> None:
         self.ftar, self.epoch, self.step, self.bound_s = ftar, epoch, step, bound_s
         self.lead_s = min(ARRIVAL_STORE_TIMEOUT_S, bound_s / 2)
-        self._arm(time.monotonic())
+        now = time.monotonic()
+        self._arm(now)
+        self.silence = _SilenceCheck(ftar, epoch, step, now + SILENCE_LEAD_S,
+                                     max(silence_s, SILENT_AFTER_S))
 
     def _arm(self, now: float) -> None:
         self.check_at, self.early = now + self.bound_s, None
 
     def poll(self) -> None:
-        """Raise :class:`Stragglers` once the bound passed with members behind."""
+        """Raise :class:`SilentMembers` as soon as some stopped beating, and
+        :class:`Stragglers` once the bound passed with members behind."""
         now = time.monotonic()
+        if silent := self.silence.poll(now):
+            raise SilentMembers(silent, self.step, self.silence.after_s)
         if self.early is None and now > self.check_at - self.lead_s:
             self.early = self.ftar._read_marks(self.epoch, self.step)
         if now > self.check_at:
@@ -640,3 +672,35 @@ class _StragglerCheck:
             if late:
                 raise Stragglers(late, self.step, self.bound_s)
             self._arm(now)  # everyone is there: the collective itself is slow
+
+
+class _SilenceCheck:
+    """The beats read while a wait at a step's all-reduce goes on: first at ``first_at``, then
+    ``after_s`` after each read answered, each read against the one before. Members whose
+    count stood still are named in under a second, where the bound would take seconds: a host
+    that died without a word (no reset, no FIN), a frozen process, a cut link. A store that does
+    not answer is left to the bound's check, which names its host."""
+
+    def __init__(self, ftar: FaultTolerantAllReduce, epoch: Epoch, step: int,
+                 first_at: float, after_s: float) -> None:
+        self.ftar, self.epoch, self.step, self.after_s = ftar, epoch, step, after_s
+        self.next_at = first_at
+        self.before: _MarksRead | None = None
+        self.reading: _MarksRead | None = None
+
+    def poll(self, now: float) -> tuple[str, ...]:
+        """The silent members, once a read shows some; () until then."""
+        if self.reading is None:
+            if now >= self.next_at:
+                self.reading = self.ftar._read_marks(self.epoch, self.step)
+            return ()
+        if not self.reading.done.is_set():
+            return ()
+        read, self.reading = self.reading, None
+        if read.beats is None:  # the store failed: nothing to compare, ever
+            self.next_at = math.inf
+            return ()
+        silent = silent_members(self.before, read, me=self.ftar.control.ctx.replica_id,
+                                after_s=self.after_s)
+        self.before, self.next_at = read, read.beats_read[1] + self.after_s
+        return silent

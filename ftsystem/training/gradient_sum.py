@@ -113,7 +113,8 @@ class GradientSum:
                     return None
             started, error, buf, sent_early = time.monotonic(), None, None, overlapped
             try:
-                with self.ftar.arrival(step, self._stragglers.bound_s(self._step_times)):
+                with self.ftar.arrival(step, self._stragglers.bound_s(self._step_times),
+                                       self._stragglers.silence_s):
                     buf = self._sum_overlapped(step) if overlapped else self._sum_flat(step)
                 self.faults.check(step, "fail-allreduce")
                 if join_step():
