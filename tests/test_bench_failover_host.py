@@ -39,21 +39,25 @@ def test_one_host_failure_is_measured_from_its_instant(tmp_path) -> None:
     [run] = ours["rounds"]
     assert run["orders_not_executed"] == [], run["orders_not_executed"]
     [fault] = run["faults"]
-    assert "SIGKILL to all" in fault["outcome"] and fault["victim_was_training"], fault
+    # Silent: the link went down before the kill, so no reset told the survivors.
+    assert fault["outcome"].startswith("link down, then SIGKILL to all"), fault
+    assert fault["victim_was_training"], fault
     # One failure measured, from the fault's instant, with a finite stall.
     assert ours["failures"] == 1
     stall = ours["stall_s"]["median"]
-    # A dead host costs the survivors about a second: the leader removes it once its replica
-    # lease has gone unrenewed for over a second (0.70 s median, 1.07 s max over 8 failures in
-    # bench/results/failover_host.json). Half the lease's TTL, 5 s, leaves 4 s for a busy CI
-    # machine; waiting for the lease to expire (10 s) or for the collective timeout (30 s) fails.
+    # A silent dead host costs the survivors under a second: its beats stand still while they
+    # wait for it at the all-reduce (the suite's silence is 2 s, the default 0.6 s; the
+    # benchmark's figures are in bench/results/failover_host.json). Half the lease's TTL, 5 s,
+    # leaves 3 s for a busy CI machine; waiting for the lease to expire (10 s) or for the
+    # collective timeout (30 s) fails.
     assert stall is not None and 0 <= stall < Timeouts(TIMEOUT_S).lease_ttl_s / 2, stall
     assert ours["per_failure_stall_s"] == [stall]
     # The victim came back and the run ended with every replica in the same state.
     assert ours["bitwise_identical"] and run["agents_ok"]
     assert any(f["replica"] == "r1" for f in run["replica_failures"])
     # The target reports the median it was measured on (here the one failure's stall).
-    assert data["targets"]["ftsystem_median_stall_at_most_2s"] == (stall <= 2.0), data["targets"]
+    assert data["targets"]["ftsystem_median_stall_at_most_1s"] == (stall <= 1.0), data["targets"]
+    assert data["targets"]["ftsystem_median_below_torchft_1s"] is None  # torchft not run
     assert data["layouts"] == {}
     assert run["system"] == "ftsystem_1" and run["spec"] == data["setup"]["spec"]
     assert run["spec"]["steps"] == data["setup"]["steps"] == 40
