@@ -54,9 +54,10 @@ ARRIVAL_STORE_TIMEOUT_S = 2.0
 store's host (``members[0]``) is frozen or gone: it is the one named late."""
 BEAT_S = 0.2
 """How often shard 0 of a member adds one to its beat count in the epoch's store, all epoch
-long, on a thread and a connection of its own. A member marked at the step whose count stood
-still for ``FROZEN_AFTER_BEATS`` beats is frozen (SIGSTOP, a stopped VM, cut off from the
-store's host) inside the all-reduce, not slow: its mark alone says it arrived."""
+long, on a thread and a connection of its own, whatever its loop is doing. A member whose count
+stood still for ``FROZEN_AFTER_BEATS`` beats is dead, frozen (SIGSTOP, a stopped VM) or cut off
+from the store's host, not slow: its mark alone could not tell (a member frozen after it
+arrived looks like a slow collective)."""
 FROZEN_AFTER_BEATS = 3
 SILENT_AFTER_S = FROZEN_AFTER_BEATS * BEAT_S
 """Beat counts read this far apart that did not move name a silent member (the default of
@@ -230,7 +231,7 @@ class FaultTolerantAllReduce:
         self._arrivals = None
         """Shard 0: a client of the epoch's store, where members mark their arrival at steps."""
         self._arrival: tuple[int, float, float] | None = None
-        """(step, bound) while this member waits at that step's all-reduce."""
+        """(step, bound, silence) while this member waits at that step's all-reduce."""
         self._beats: _Beats | None = None
         self._aborting: list[threading.Thread] = []
         self._wedging: list[threading.Thread] = []
