@@ -154,7 +154,7 @@ def test_a_loop_that_forgets_its_scheduler_gets_a_divergence_report(etcd, job_id
     # The restarted r1 receives model and optimizer, not the scheduler it did not register:
     # its next steps use another learning rate. The digests must name it, with the step.
     monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "10")
-    cfg = RunConfig(num_replicas=3, num_steps=260, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+    cfg = RunConfig(num_replicas=3, num_steps=200, etcd=etcd.url, job=job_id, out_dir=tmp_path,
                     kills=[ReplicaKill(1, FaultPoint(20, "step"))],
                     train_args=["--sleep-per-step", "0.05", "--linger", "30",
                                 "--forget-scheduler"], show_progress=False)
