@@ -25,7 +25,8 @@ def test_one_host_failure_is_measured_from_its_instant(tmp_path) -> None:
     # catches up from one of them while they linger.
     result = CliRunner().invoke(app, [
         "bench", "failover", "--scenario", "host", "--failures", "1", "--rounds", "1",
-        "--kill-interval", "2", "--systems", "ftsystem", "--replicas", "2", "--steps", "40",
+        "--kill-interval", "2", "--down", "2", "--systems", "ftsystem", "--replicas", "2",
+        "--steps", "40",
         "--json", str(out), "--workdir", str(tmp_path / "runs")])
     assert result.exit_code == 0, result.output + repr(result.exception)
     data = json.loads(out.read_text())

@@ -58,7 +58,7 @@ VICTIM = 1
 WARMUP_STEPS = 20
 SCENARIOS = ("process", "host")
 
-HOST_INTERVAL_S = 40.0
+HOST_INTERVAL_S = 50.0
 """Seconds between host failures (one-node replicas, and torchft; see ``host_interval``). The
 victim must be a member again at each: after a host-kill here (2 cores, 4 replicas training)
 the host is down ``--down`` seconds, its agent takes 5-15 s to start and open a generation, the
@@ -68,8 +68,10 @@ HOST_STEP_OVERHEAD_S = 0.1
 """Seconds a step takes beyond the emulated compute, at least, per node of a replica (here,
 4 replicas on 2 cores: 0.10-0.17 s for ftsystem and 0.17-0.26 s for torchft at 1 node per
 replica, 0.45 s for ftsystem at 2): sizes the run so that it outlasts the last failure."""
-HOST_DOWN_S = 2.0
-"""How long a killed host stays down before it "reboots"."""
+HOST_DOWN_S = 15.0
+"""How long a killed host stays down before it "reboots": longer than any detector of either
+system here (torchft's collectives give up after 10 s), so that no reboot ends a stall (the
+peers' next packets to a rebooted host meet a reset)."""
 HOST_TIMEOUT_S = 30.0
 """ftsystem's one timeout in the host scenario: the default (``RunConfig.timeout_s``, lease
 TTL 10 s); the point is what a host failure costs at defaults."""
