@@ -93,3 +93,12 @@ def test_a_late_replica_is_taken_out_within_the_straggler_bound(tmp_path, monkey
     assert "removing r1: named at the all-reduce of epoch" in controller_log
     assert "had not arrived at the all-reduce" in (cfg.out_dir / "agent-r0.log").read_text()
     _came_back(cfg, summary)
+
+
+@pytest.mark.parametrize("bad", ["40", "x:5", "0:5", "40:-1", "40:"])
+def test_the_example_refuses_a_straggle_it_cannot_carry_out(bad, capsys):
+    from ftsystem.example.train import parse_args
+    assert parse_args(["--straggle", "40:8"]).straggle == (40, 8.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--straggle", bad])
+    assert "expected STEP:SECONDS" in capsys.readouterr().err

@@ -197,11 +197,12 @@ def shard_model(model: TinyGPT) -> None:
 def _straggle(text: str) -> tuple[int, float]:
     step, sep, seconds = text.partition(":")
     try:
-        if sep:
+        if sep and int(step) >= 1 and float(seconds) >= 0:
             return int(step), float(seconds)
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"expected STEP:SECONDS (as 40:5), not {text!r}")
+    raise argparse.ArgumentTypeError(f"expected STEP:SECONDS, a step of at least 1 and seconds "
+                                     f"of at least 0 (as 40:5), not {text!r}")
 
 
 def train(ft: FTReplica, model: TinyGPT, batches: Iterator[torch.Tensor],
