@@ -392,3 +392,9 @@ def test_the_straggler_bound_follows_the_step_time_between_floor_and_ceiling():
         StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FLOOR_S": "0"}, Timeouts(30.0))
     with pytest.raises(TimeoutConfigError, match="numbers"):
         StragglerBound.from_env({"FTSYSTEM_STRAGGLER_FACTOR": "fast"}, Timeouts(30.0))
+    # The silence: 0.6 s by default, longer if set, never shorter than three beats.
+    assert derived.silence_s == 0.6
+    assert StragglerBound.from_env({"FTSYSTEM_STRAGGLER_SILENCE_S": "2"},
+                                   Timeouts(30.0)).silence_s == 2.0
+    with pytest.raises(TimeoutConfigError, match="FTSYSTEM_STRAGGLER_SILENCE_S"):
+        StragglerBound.from_env({"FTSYSTEM_STRAGGLER_SILENCE_S": "0.3"}, Timeouts(30.0))

@@ -76,8 +76,9 @@ ENV_STRAGGLER_FLOOR_S = "FTSYSTEM_STRAGGLER_FLOOR_S"
 ENV_STRAGGLER_CEILING_S = "FTSYSTEM_STRAGGLER_CEILING_S"
 ENV_STRAGGLER_SILENCE_S = "FTSYSTEM_STRAGGLER_SILENCE_S"
 DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S = 4.0, 2.0
-DEFAULT_STRAGGLER_SILENCE_S = 0.6
-"""Three of the members' beats (``ftsystem.training.ftar.BEAT_S``, 0.2 s)."""
+DEFAULT_STRAGGLER_SILENCE_S = MIN_STRAGGLER_SILENCE_S = 0.6
+"""Three of the members' beats (``ftsystem.training.ftar.BEAT_S``, 0.2 s): a shorter silence
+could fall between two beats of a live member."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +103,12 @@ class StragglerBound:
 
     def __post_init__(self) -> None:
         if not (self.factor >= 1 and 0 < self.floor_s <= self.ceiling_s
-                and 0 < self.silence_s <= self.ceiling_s):
+                and MIN_STRAGGLER_SILENCE_S <= self.silence_s <= self.ceiling_s):
             raise TimeoutConfigError(
                 f"straggler bound factor {self.factor:g}, floor {self.floor_s:g} s, ceiling "
                 f"{self.ceiling_s:g} s, silence {self.silence_s:g} s: need factor >= 1, "
-                f"0 < floor <= ceiling and 0 < silence <= ceiling (set {ENV_STRAGGLER_FACTOR}, "
+                f"0 < floor <= ceiling and {MIN_STRAGGLER_SILENCE_S:g} <= silence <= ceiling "
+                f"(set {ENV_STRAGGLER_FACTOR}, "
                 f"{ENV_STRAGGLER_FLOOR_S}, {ENV_STRAGGLER_CEILING_S}, {ENV_STRAGGLER_SILENCE_S})")
 
     def bound_s(self, step_times: Sequence[float]) -> float:

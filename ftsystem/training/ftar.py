@@ -60,8 +60,8 @@ from the store's host, not slow: its mark alone could not tell (a member frozen 
 arrived looks like a slow collective)."""
 FROZEN_AFTER_BEATS = 3
 SILENT_AFTER_S = FROZEN_AFTER_BEATS * BEAT_S
-"""Beat counts read this far apart that did not move name a silent member (the default of
-``StragglerBound.silence_s``, ``FTSYSTEM_STRAGGLER_SILENCE_S``; never less)."""
+"""Beat counts read this far apart that did not move name a silent member (the default and
+least ``StragglerBound.silence_s``, ``FTSYSTEM_STRAGGLER_SILENCE_S``)."""
 SILENCE_LEAD_S = 0.1
 """A wait at a step's all-reduce reads the beats once it has lasted this long, and again the
 silence later: a wait as short as most all-reduces costs no read at all."""
@@ -651,8 +651,7 @@ class _StragglerCheck:
         self.lead_s = min(ARRIVAL_STORE_TIMEOUT_S, bound_s / 2)
         now = time.monotonic()
         self._arm(now)
-        self.silence = _SilenceCheck(ftar, epoch, step, now + SILENCE_LEAD_S,
-                                     max(silence_s, SILENT_AFTER_S))
+        self.silence = _SilenceCheck(ftar, epoch, step, now + SILENCE_LEAD_S, silence_s)
 
     def _arm(self, now: float) -> None:
         self.check_at, self.early = now + self.bound_s, None
