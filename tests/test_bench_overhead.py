@@ -61,12 +61,22 @@ def test_a_malformed_size_is_a_usage_error() -> None:
     assert "malformed model size" in result.output
 
 
+def test_the_real_loop_without_torchft_s_replica_is_a_usage_error() -> None:
+    result = CliRunner().invoke(app, ["bench", "overhead", "--loop", "real"])
+    assert result.exit_code == 2 and "plain loop only" in result.output
+    result = CliRunner().invoke(app, ["bench", "overhead", "--loop", "fancy"])
+    assert result.exit_code == 2 and "loop must be one of plain, real" in result.output
+
+
 @pytest.mark.slow
 # 53 s alone; with two CPU-bound jobs beside it on 2 cores, torchft's part ran past 240 s.
 @pytest.mark.timeout(480)
 def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
     out = tmp_path / "overhead.json"
-    result = CliRunner().invoke(app, ["bench", "overhead", "--quick", "--json", str(out)])
+    # ftsystem's variants (--overlap on, digests every 10 steps) launch as ftsystem does.
+    systems = ("ddp", "ddp-control-plane", "ftsystem", "torchft")
+    result = CliRunner().invoke(app, ["bench", "overhead", "--quick", "--json", str(out),
+                                      "--systems", ",".join(systems)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {"models", "replicas", "machine"} <= set(data)
@@ -74,7 +84,7 @@ def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
     model = data["models"][0]
     assert model["params"] > 0 and model["steps"] == QUICK_STEPS
     for key in ("steps_per_s", "ratio_vs_ddp", "median_step_s"):
-        assert set(model[key]) == set(SYSTEMS)
+        assert set(model[key]) == set(systems)
         assert all(math.isfinite(v) and v > 0 for v in model[key].values()), model[key]
     assert model["ratio_vs_ddp"]["ddp"] == 1.0
     for key in ("steps_per_s_spread", "ratio_vs_ddp_spread"):  # one round: min = median = max
@@ -82,9 +92,12 @@ def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
         assert spread["min"] == spread["median"] == spread["max"] > 0, model[key]
     # Every system trained one spec, and each run says so.
     runs = [run for system_runs in model["runs"].values() for run in system_runs]
-    assert sorted(run["system"] for run in runs) == sorted(SYSTEMS)
+    assert sorted(run["system"] for run in runs) == sorted(systems)
     assert spec_mismatches(runs) == [] and runs[0]["spec"]["steps"] == QUICK_STEPS
-    assert [entry["order"] for entry in model["round_log"]] == [list(SYSTEMS)]
+    assert [entry["order"] for entry in model["round_log"]] == [list(systems)]
+    # The parts of commit() after the start-up commits, and those apart.
+    run = model["runs"]["ftsystem"][0]
+    assert run["commit_ms"]["allreduce"] > 0 and run["start_up_commit_ms"]["pack"] > 0
     assert "overhead: steady-state throughput" in result.output
 
 

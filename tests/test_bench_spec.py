@@ -140,6 +140,22 @@ def test_a_spec_that_cannot_be_trained_is_refused(fields: dict, message: str) ->
         RunSpec(num_replicas=2, **fields)
 
 
+def test_the_real_loop_reaches_ftsystem_and_ddp_and_the_others_refuse_it(tmp_path) -> None:
+    spec = RunSpec(num_replicas=2, steps=10, loop="real")
+    cfg = harness.ftsystem_config(spec, out_dir=tmp_path, job="spec")
+    ours = train.parse_args(_after(agent_command(cfg, "http://127.0.0.1:2379", 0),
+                                   "ftsystem.example.train"))
+    ddp = _typer_params(overhead._ddp_main, _after(harness.ddp_rank_command(spec, 0, tmp_path),
+                                                   harness.DDP_PROGRAM))
+    assert ours.loop == ddp["loop"] == "real"
+    for refused in (harness.torchft_training,
+                    lambda s: harness.restart_all_config(s, out_dir=tmp_path)):
+        with pytest.raises(ValueError, match="plain loop only, not --loop real"):
+            refused(spec)
+    with pytest.raises(ValueError, match="loop must be one of plain, real"):
+        RunSpec(num_replicas=2, steps=10, loop="fancy")
+
+
 def test_a_spec_mismatch_names_the_system_and_the_field() -> None:
     ours = RunSpec(num_replicas=2, steps=100)
     runs = [harness.ran_with("ftsystem", ours),

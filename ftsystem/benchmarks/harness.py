@@ -46,6 +46,8 @@ DDP_PROGRAM = "ftsystem.benchmarks.overhead"
 DURATION_STEP_MARGIN = 1.1
 """ftsystem trains a step count: for a spec of a duration, this many times the steps that fit
 in it at the expected step time, so that it still trains when the duration is over."""
+LOOPS = ("plain", "real")
+"""The training loops a spec can name (:attr:`RunSpec.loop`)."""
 UNLIMITED_STEPS = 10**9
 """The restart-all baseline's step count for a spec of a duration: it stops at the duration."""
 
@@ -76,6 +78,10 @@ class RunSpec:
     (``RestartAllConfig.collective_timeout_s``). torchft runs at its own lighthouse and Manager
     timing (a torchft run's ``settings``), DDP at a long collective timeout: it meets no
     failure."""
+    loop: str = "plain"
+    """The training loop: ``plain`` (averaged gradients, then ``optimizer.step()``; every
+    system has it) or ``real`` (the example program's: LR schedule, gradient scaler,
+    clipping, dropout, a shuffling stateful loader; ftsystem and DDP only)."""
 
     def __post_init__(self) -> None:
         if (self.steps > 0) == (self.duration_s > 0):
@@ -87,6 +93,8 @@ class RunSpec:
         for name in ("model_params", "sleep_per_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop must be one of {', '.join(LOOPS)}, not {self.loop!r}")
         if self.lr <= 0 or self.timeout_s <= 0:
             raise ValueError(f"lr and timeout_s must be positive, not {self.lr} and "
                              f"{self.timeout_s}")
@@ -137,10 +145,17 @@ def training_args(spec: RunSpec) -> list[str]:
 
 
 def ftsystem_train_args(spec: RunSpec, variant: Sequence[str] = ()) -> list[str]:
-    """The example program's options: the spec's, its plain loop (averaged gradients, then
-    ``optimizer.step()``: what every baseline runs), then those of a ``variant`` of ftsystem
-    (``--overlap on``)."""
-    return [*training_args(spec), "--loop", "plain", *variant]
+    """The example program's options: the spec's, its loop (the plain one, averaged gradients
+    then ``optimizer.step()``, is what every baseline runs), then those of a ``variant`` of
+    ftsystem (``--overlap on``)."""
+    return [*training_args(spec), "--loop", spec.loop, *variant]
+
+
+def plain_loop_only(spec: RunSpec, system: str) -> None:
+    """Refuse a spec of the real loop for a system that has only the plain one."""
+    if spec.loop != "plain":
+        raise ValueError(f"{system} runs the plain loop only, not --loop {spec.loop}: run it "
+                         "with --loop plain, or leave it out of --systems")
 
 
 def ftsystem_steps(spec: RunSpec, step_s: float = 0.0) -> int:
@@ -171,6 +186,7 @@ def torchft_training(spec: RunSpec) -> dict:
     ``run_torchft_rejoin`` that say what to train."""
     if spec.duration_s:
         raise ValueError("the torchft baseline trains a step count, not a duration")
+    plain_loop_only(spec, "torchft")
     return {"num_replicas": spec.num_replicas, "steps": spec.steps,
             "model_params": spec.model_params, "batch_size": spec.batch_size, "lr": spec.lr,
             "seed": spec.seed, "sleep_per_step": spec.sleep_per_step}
@@ -181,13 +197,15 @@ def ddp_rank_command(spec: RunSpec, rank: int, out: Path) -> list[str]:
     if spec.duration_s:
         raise ValueError("the DDP baseline trains a step count, not a duration")
     return ["-m", DDP_PROGRAM, "--rank", str(rank), "--world-size", str(spec.num_replicas),
-            "--steps", str(spec.steps), "--out", str(out), *training_args(spec)]
+            "--steps", str(spec.steps), "--out", str(out), "--loop", spec.loop,
+            *training_args(spec)]
 
 
 def restart_all_config(spec: RunSpec, **options) -> RestartAllConfig:
     """``run_restart_all``'s configuration for ``spec``; ``options`` are
     ``RestartAllConfig``'s other fields (where the run goes, checkpoints, deadline)."""
     from ftsystem.baselines.restart_all import RestartAllConfig
+    plain_loop_only(spec, "the restart-all baseline")
     return RestartAllConfig(num_nodes=spec.num_replicas, num_steps=spec.steps or UNLIMITED_STEPS,
                             duration_s=spec.duration_s, timeout_s=spec.timeout_s,
                             train_args=training_args(spec), **options)

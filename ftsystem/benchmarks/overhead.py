@@ -5,6 +5,9 @@ optimizer and number of replicas (one process each, one compute thread each) on 
 
 - ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over Gloo, one process per
   rank;
+- ``ddp-control-plane``: the same beside an idle control plane (an embedded etcd and a
+  controller of a job that never starts): what ftsystem's services cost the machine by their
+  presence, apart from what its ``commit()`` costs;
 - ``ftsystem``: ``ftsystem run`` (etcd, controller, one agent per replica), no failures, with
   its defaults (on CPU, gradients of 100 MiB or more overlap their all-reduce with backward);
 - ``ftsystem-overlap``: the same with ``--overlap on`` at every size: gradient buckets
@@ -16,9 +19,11 @@ optimizer and number of replicas (one process each, one compute thread each) on 
 - ``torchft``: torchft 0.2.0's Manager + Lighthouse (``ftsystem.baselines``), no failures.
 
 Every system trains one spec (``harness.RunSpec``: the example program's batch, learning rate
-and seed at every size) in the same minimal loop (``ftsystem.example.train --loop plain``:
-averaged gradients, then ``optimizer.step()``), as the baselines do; each system's runs record
-it (``runs`` in the JSON).
+and seed at every size) in the same loop, recorded by each system's runs (``runs`` in the
+JSON): ``--loop plain`` (averaged gradients, then ``optimizer.step()``), which every system
+has, or ``--loop real``, the example program's real loop (LR schedule, gradient scaler,
+clipping, dropout, a shuffling stateful loader), which ftsystem registers and DDP runs as is
+(torchft's replica has the plain loop only).
 
 Throughput is committed steps per second from each replica's commit timeline, after the first
 ``warmup`` commits (start-up, first allocations) and up to the last one; the job's figure is the
@@ -28,8 +33,10 @@ every system N times, the order alternated per round, the machine's load recorde
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -49,7 +56,8 @@ from ftsystem.cli import bench_app
 
 ENV_FINGERPRINT_EVERY = "FTSYSTEM_FINGERPRINT_EVERY"  # ftsystem.training.settings'; not imported: torch
 
-SYSTEMS = ("ddp", "ftsystem", "ftsystem-overlap", "ftsystem-digest10", "torchft")
+SYSTEMS = ("ddp", "ddp-control-plane", "ftsystem", "ftsystem-overlap", "ftsystem-digest10",
+           "torchft")
 DIGEST_STRESS_EVERY = 10
 """``ftsystem-digest10`` compares state digests every this many steps, 10 times the default
 (``FTSYSTEM_FINGERPRINT_EVERY``): the runs are too short for a digest at the default."""
@@ -126,12 +134,17 @@ def ratios(rates: dict[str, float | None]) -> dict[str, float | None]:
 # --- plain DDP ----------------------------------------------------------------------------------
 
 def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int, batch_size: int,
-                lr: float, seed: int, sleep_per_step: float, out: Path) -> None:
-    """One DDP rank: train ``steps`` steps, write the commit timeline to ``out/rank<R>.json``."""
+                lr: float, seed: int, sleep_per_step: float, loop: str, out: Path) -> None:
+    """One DDP rank: train ``steps`` steps, write the commit timeline to ``out/rank<R>.json``.
+
+    ``loop``: ``plain`` (batches by step, ``optimizer.step()``) or ``real``, the example
+    program's real loop with its defaults (the same LR schedule, scaler, clipping, dropout and
+    shuffling stateful loader, from ``ftsystem.example.train``) without ftsystem."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from ftsystem.example import train
     from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT, num_params
 
     class Loss(torch.nn.Module):
@@ -149,19 +162,40 @@ def ddp_replica(*, rank: int, world_size: int, steps: int, model_params: int, ba
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     torch.manual_seed(seed)
-    model = TinyGPT(ModelConfig.for_params(model_params) if model_params else ModelConfig())
+    args = train.parse_args(["--steps", str(steps), "--batch-size", str(batch_size),
+                             "--lr", str(lr), "--seed", str(seed), "--loop", loop])
+    if loop == "plain":  # as the example program's plain loop
+        args.amp, args.clip, args.dropout = "off", 0.0, 0.0
+    cfg = ModelConfig.for_params(model_params) if model_params else ModelConfig()
+    cfg.dropout = args.dropout
+    model = TinyGPT(cfg)
     ddp = DistributedDataParallel(Loss(model))
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr)
     language = MarkovLanguage(vocab_size=model.cfg.vocab_size, seed=seed)
+    device = torch.device("cpu")
+    if loop == "plain":
+        batches = (language.batch(shard=rank, step=step, batch_size=batch_size,
+                                  seq_len=model.cfg.seq_len) for step in itertools.count())
+        scaler, step_fn = torch.amp.GradScaler(device.type, enabled=False), optimizer.step
+    else:
+        scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "scaler")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, train.warmup_cosine(args.warmup, args.steps))
+        step_fn = train.real_step(model, optimizer, scaler, scheduler, None, args, device)
+        batches = iter(train.data_loader(language, model.cfg, args, shard=rank))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16" \
+        else contextlib.nullcontext()
+    ddp.train()
     commits = []
     for step in range(steps):
-        batch = language.batch(shard=rank, step=step, batch_size=batch_size,
-                               seq_len=model.cfg.seq_len)
+        batch = next(batches)
         optimizer.zero_grad()
-        ddp(batch).backward()
+        with autocast:
+            loss = ddp(batch)
+        scaler.scale(loss).backward()
         if sleep_per_step:
             time.sleep(sleep_per_step)
-        optimizer.step()
+        step_fn()
         commits.append((step + 1, time.time()))
     result = out / f"rank{rank}.json"
     result.with_suffix(".tmp").write_text(json.dumps(
@@ -176,12 +210,21 @@ def rendezvous_file(workdir: Path) -> Path:
     return workdir / "rendezvous"
 
 
-def run_ddp(spec: RunSpec, workdir: Path) -> dict[str, list]:
-    """Plain DDP, one process per rank; returns each rank's commit timeline."""
+def run_ddp(spec: RunSpec, workdir: Path, *, control_plane: bool = False) -> dict[str, list]:
+    """Plain DDP, one process per rank; returns each rank's commit timeline. With
+    ``control_plane``, beside an idle etcd and controller (``launcher.idle_control_plane``)."""
+    from ftsystem.launch.launcher import idle_control_plane
+
+    with idle_control_plane(workdir / "control-plane") if control_plane \
+            else contextlib.nullcontext():
+        _run_ddp_ranks(spec, workdir)
+    return harness.read_timelines("ddp", workdir)
+
+
+def _run_ddp_ranks(spec: RunSpec, workdir: Path) -> None:
     run_ranks("DDP", lambda rank: harness.ddp_rank_command(spec, rank, workdir),
               world_size=spec.num_replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S,
               finished=lambda rank: (workdir / f"rank{rank}.json").exists())
-    return harness.read_timelines("ddp", workdir)
 
 
 def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int,
@@ -267,7 +310,9 @@ def run_torchft(spec: RunSpec, workdir: Path) -> dict[str, list]:
     return harness.read_timelines("torchft", workdir)
 
 
-RUNNERS = {"ddp": run_ddp, "ftsystem": run_ftsystem,
+RUNNERS = {"ddp": run_ddp,
+           "ddp-control-plane": functools.partial(run_ddp, control_plane=True),
+           "ftsystem": run_ftsystem,
            "ftsystem-overlap": functools.partial(run_ftsystem, overlap="on"),
            "ftsystem-digest10": functools.partial(run_ftsystem,
                                                   fingerprint_every=DIGEST_STRESS_EVERY),
@@ -295,6 +340,8 @@ def measure(spec: RunSpec, *, systems: Sequence[str], rounds: int, workdir: Path
                   **harness.ran_with(name, spec)}
         if name.startswith("ftsystem"):
             result["commit_ms"] = commit_breakdown(out_dir)
+            result["start_up_commit_ms"] = commit_breakdown(out_dir, "start_up_commit_ms")
+            result["overlapped_commits"] = commit_breakdown(out_dir, "overlapped_commits")
         return result
 
     runs, log = report.in_rounds(systems, rounds, run)
@@ -318,12 +365,20 @@ def measure(spec: RunSpec, *, systems: Sequence[str], rounds: int, workdir: Path
             "runs": runs, "round_log": log}
 
 
-def commit_breakdown(out_dir: Path) -> dict[str, float]:
-    """Milliseconds per commit of each part of ``commit()`` (``training.commit_times``), the
-    median over the replicas of one run."""
+def commit_breakdown(out_dir: Path, key: str = "commit_ms") -> dict[str, float] | float | None:
+    """Milliseconds per commit of each part of ``commit()`` after the start-up commits
+    (``training.commit_times``), the median over the replicas of one run; with ``key``,
+    another figure of the replicas' results (``start_up_commit_ms``: the parts summed over
+    the start-up commits; ``overlapped_commits``: commits whose buckets went out during
+    backward)."""
+    results = [json.loads(path.read_text()).get(key)
+               for path in sorted((out_dir / "results").glob("r*.json"))]
+    if key == "overlapped_commits":
+        counts = [count for count in results if count is not None]
+        return statistics.median(counts) if counts else None
     parts: dict[str, list[float]] = {}
-    for path in sorted((out_dir / "results").glob("r*.json")):
-        for name, ms in json.loads(path.read_text()).get("commit_ms", {}).items():
+    for result in results:
+        for name, ms in (result or {}).items():
             parts.setdefault(name, []).append(ms)
     return {name: statistics.median(values) for name, values in parts.items()}
 
@@ -347,6 +402,8 @@ def overhead(
         "--systems", help="which to run, comma-separated; ddp always runs (the base of the "
                           "ratios)")] = ",".join(SYSTEMS),
     rounds: Annotated[int, typer.Option(min=1, help="runs per system, in turns")] = 1,
+    loop: Annotated[str, typer.Option(help="plain (every system) or real (the example "
+                                           "program's loop: ddp and ftsystem)")] = "plain",
 ) -> None:
     """Steady-state steps/s without failures: ftsystem vs plain DDP vs torchft 0.2.0."""
     if quick and sizes != DEFAULT_SIZES:
@@ -359,9 +416,15 @@ def overhead(
         systems = parse_systems(systems_text)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--systems") from e
-    specs = [RunSpec(num_replicas=replicas, model_params=params,
-                     steps=steps or (QUICK_STEPS if quick else default_steps(params)))
-             for params in params_list]
+    try:
+        specs = [RunSpec(num_replicas=replicas, model_params=params, loop=loop,
+                         steps=steps or (QUICK_STEPS if quick else default_steps(params)))
+                 for params in params_list]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--loop") from e
+    if loop != "plain" and "torchft" in systems:
+        raise typer.BadParameter("torchft's replica has the plain loop only: leave torchft out "
+                                 "of --systems for --loop real", param_hint="--systems")
     with tempfile.TemporaryDirectory(prefix="ftsystem-bench-overhead-") as tmp:
         models = [measure(spec, systems=systems, rounds=rounds, workdir=Path(tmp))
                   for spec in specs]
@@ -369,7 +432,7 @@ def overhead(
              m["ratio_vs_ddp"][name], _range(m["ratio_vs_ddp_spread"][name]),
              m["median_step_s"][name]) for m in models for name in systems]
     report.print_table(f"overhead: steady-state throughput, {replicas} replicas, no failures, "
-                       f"{rounds} round(s)", ["params", "system", "steps/s (median)",
+                       f"{loop} loop, {rounds} round(s)", ["params", "system", "steps/s (median)",
                                               "steps/s [min, max]", "vs DDP", "vs DDP [min, max]",
                                               "median step (s)"], rows)
     parts = [(m["params"], name, part, f"{ms['median']:.3g}", _range(ms))
@@ -381,7 +444,7 @@ def overhead(
     # Other work on a shared machine moves these figures more than the target's 3%: each
     # model's round_log has the load average of every round.
     report.write_json(json_path, {
-        "models": models, "replicas": replicas, "rounds": rounds,
+        "models": models, "replicas": replicas, "rounds": rounds, "loop": loop,
         "target": "ftsystem ratio_vs_ddp >= 0.97 and steps/s >= torchft's",
         "machine": report.machine()})
 
@@ -394,12 +457,13 @@ def _ddp_main(rank: Annotated[int, typer.Option()],
               batch_size: Annotated[int, typer.Option()],
               lr: Annotated[float, typer.Option()],
               seed: Annotated[int, typer.Option()],
-              sleep_per_step: Annotated[float, typer.Option()]) -> None:
+              sleep_per_step: Annotated[float, typer.Option()],
+              loop: Annotated[str, typer.Option()]) -> None:
     """One DDP rank, its options ``harness.ddp_rank_command``'s: every one is required, so
     that a rank cannot train another spec than the bench's by a default of its own."""
     ddp_replica(rank=rank, world_size=world_size, steps=steps, model_params=model_params,
                 batch_size=batch_size, lr=lr, seed=seed, sleep_per_step=sleep_per_step,
-                out=out)
+                loop=loop, out=out)
 
 
 if __name__ == "__main__":  # one DDP rank, started by run_ddp

@@ -152,7 +152,22 @@ def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
     """The replica of a real loop: a step function after averaging, everything registered."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup,
                                                                            args.steps))
+    step_after_averaging = real_step(model, optimizer, scaler, scheduler, ema, args, device)
+    ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap)
+    if not args.forget_scheduler:
+        ft.register("lr_schedule", scheduler)
+    ft.register("grad_scaler", scaler)
+    if ema is not None:
+        ft.register("ema", ema)
+    shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
+    return ft, ft.register_data("data", data_loader(language, model.cfg, args, shard))
 
+
+def real_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              scaler: torch.amp.GradScaler, scheduler: torch.optim.lr_scheduler.LRScheduler,
+              ema: AveragedModel | None, args: argparse.Namespace, device: torch.device
+              ) -> Callable[[], None]:
+    """The real loop's step on averaged gradients: unscale, clip, step, schedule, average."""
     def step_after_averaging() -> None:
         # A replayed step ran no forward pass, so scale() never initialized the scaler.
         scaler.scale(torch.zeros((), device=device))
@@ -164,22 +179,14 @@ def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
         scheduler.step()
         if ema is not None:
             ema.update_parameters(model)
-
-    ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap)
-    if not args.forget_scheduler:
-        ft.register("lr_schedule", scheduler)
-    ft.register("grad_scaler", scaler)
-    if ema is not None:
-        ft.register("ema", ema)
-    return ft, ft.register_data("data", data_loader(language, model.cfg, args, ft))
+    return step_after_averaging
 
 
 def data_loader(language: MarkovLanguage, cfg: ModelConfig, args: argparse.Namespace,
-                ft: FTReplica) -> StatefulDataLoader:
+                shard: int) -> StatefulDataLoader:
     """This rank's shard, shuffled by a generator seeded with the job's seed (the recipe
     ``register_data`` requires), so every replica's loader holds the same state (its position)
     at equal steps and draws the same order in every pass, while each reads its own shard."""
-    shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
     length = max(64, args.steps) if args.passes == 1 else -(-args.steps // args.passes)
     dataset = MarkovBatches(language, shard=shard, num_batches=length,
                             batch_size=args.batch_size, seq_len=cfg.seq_len)
@@ -270,6 +277,7 @@ def write_result(ft: FTReplica, model: TinyGPT, language: MarkovLanguage,
               "commits": ft.commits, "epochs": ft.epochs, "catchup": ft.catchup_stats,
               "overlapped_commits": ft.overlapped_commits, "divergences": ft.divergences,
               "commit_ms": ft.commit_times.per_commit_ms(),
+              "start_up_commit_ms": ft.commit_times.start_up_ms(),
               "lr": ft.optimizer.param_groups[0]["lr"],
               "shard_catchup": shard_catchup,
               "train_loss": loss,

@@ -32,7 +32,7 @@ from ftsystem.chaos.spec import ChaosSpec, submit
 from ftsystem.control.etcd_server import EtcdCluster, free_port
 from ftsystem.chaos.faults import FaultPoint, parse_fault_point
 from ftsystem.launch.netns import Host, HostNetwork
-from ftsystem.launch.procs import die_with_parent
+from ftsystem.launch.procs import die_with_parent, wait_listening
 from ftsystem.chaos.services import ServiceChaos
 from ftsystem.control.store import Store, StoreError
 from ftsystem.control.tokens import ENV_TOKEN as ENV_API_TOKEN
@@ -104,6 +104,8 @@ class RunConfig:
 
 PROGRESS_STOP_S = 5.0
 """How long the progress display may take to finish its last read of etcd."""
+CONTROLLER_START_S = 60.0
+"""How long a controller may take to listen (imports on a loaded machine take seconds)."""
 
 
 def replica_id(index: int) -> str:
@@ -224,12 +226,7 @@ def run_job(cfg: RunConfig) -> dict:
             token = _api_token(cfg.out_dir)
             for i, port in enumerate(ports):
                 services.add_controller(f"c{i}", functools.partial(
-                    procs.start, f"controller{i}", _cli("controller", "--etcd", etcd, "--job",
-                                                        cfg.job, "--port", str(port),
-                                                        "--instance-id", f"c{i}",
-                                                        "--bind", "127.0.0.1",
-                                                        "--advertise-address", "127.0.0.1"),
-                    env=os.environ | {ENV_API_TOKEN: token}))
+                    start_controller, procs, etcd, cfg.job, port, i, token))
             # The agents hand the job's token to their ranks: their state servers require it.
             # The timeout and the checkpoint policy reach them through the job's spec.
             _clear_checkpoints(cfg)
@@ -252,6 +249,34 @@ def run_job(cfg: RunConfig) -> dict:
             procs.stop_all()
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def start_controller(procs: ProcessGroup, etcd: str, job: str, port: int, index: int,
+                     token: str) -> subprocess.Popen:
+    """Controller ``c<index>`` of ``job`` on loopback ``port``."""
+    return procs.start(f"controller{index}", _cli(
+        "controller", "--etcd", etcd, "--job", job, "--port", str(port),
+        "--instance-id", f"c{index}", "--bind", "127.0.0.1", "--advertise-address", "127.0.0.1"),
+        env=os.environ | {ENV_API_TOKEN: token})
+
+
+@contextlib.contextmanager
+def idle_control_plane(out_dir: Path, job: str = "idle") -> Iterator[str]:
+    """An embedded etcd and a controller of a job that never starts, for the block (yields
+    the controller's address): what a job's control plane costs the machine while nothing
+    happens, for a baseline that trains beside it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = ProcessGroup(out_dir)
+    with EtcdCluster(size=1, data_dir=out_dir / "etcd", host="127.0.0.1") as etcd:
+        try:
+            port = free_port()
+            proc = start_controller(procs, etcd.url, job, port, 0, secrets.token_hex(16))
+            if (error := wait_listening("127.0.0.1", port, proc, CONTROLLER_START_S)) is not None:
+                raise RuntimeError(f"the idle control plane's controller did not start: {error}; "
+                                   f"see {out_dir / 'controller0.log'}")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            procs.stop_all()
 
 
 def _api_token(out_dir: Path) -> str:

@@ -3,6 +3,10 @@
 ``ftsystem bench overhead`` reads it from the replicas' results to explain ftsystem's steps/s
 against DDP's: the all-reduce wait is what DDP pays too; the rest (packing the gradients, the
 vote, the step function's copy, the carry, the log, the telemetry) is ftsystem's own.
+
+The first commits of a process are summed apart (:attr:`CommitTimes.start_up`): they fault in
+fresh buffers (a first pack of 400 MB took 2.5 s here against 20 ms later) and would otherwise
+dominate the average of a short run, as the benches' throughput leaves them out too.
 """
 
 from __future__ import annotations
@@ -12,13 +16,20 @@ import time
 from collections import defaultdict
 from typing import Iterator
 
+START_UP_COMMITS = 2
+"""Commits whose parts are summed apart (``ftsystem bench overhead``'s fewest warm-up steps)."""
+
 
 class CommitTimes:
     """Seconds per part of ``commit()``, summed; a part is timed with :meth:`part`."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_up_commits: int = START_UP_COMMITS) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        """The parts of the commits after the start-up ones."""
+        self.start_up: defaultdict[str, float] = defaultdict(float)
+        """The parts of the first ``start_up_commits`` commits."""
         self.commits = 0
+        self._start_up_commits = start_up_commits
 
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -26,12 +37,18 @@ class CommitTimes:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - started
+            into = self.start_up if self.commits < self._start_up_commits else self.seconds
+            into[name] += time.perf_counter() - started
 
     def committed(self) -> None:
         self.commits += 1
 
     def per_commit_ms(self) -> dict[str, float]:
-        """Milliseconds per commit of each part (the parts of commits that were dropped or
-        retried count too: they are time the loop spent)."""
-        return {name: 1e3 * s / max(1, self.commits) for name, s in sorted(self.seconds.items())}
+        """Milliseconds per commit of each part, after the start-up commits (the parts of
+        commits that were dropped or retried count too: they are time the loop spent)."""
+        steady = max(1, self.commits - self._start_up_commits)
+        return {name: 1e3 * s / steady for name, s in sorted(self.seconds.items())}
+
+    def start_up_ms(self) -> dict[str, float]:
+        """Milliseconds of each part over the start-up commits, summed."""
+        return {name: 1e3 * s for name, s in sorted(self.start_up.items())}
