@@ -1,5 +1,6 @@
 """Alerting and recording rules: promtool accepts them, their unit tests pass (each alert fires
-on a history that should trigger it, not earlier), and they only name metrics the code exports."""
+on a history that should trigger it, not earlier), they only name metrics the code exports, and
+each alert's runbook_url names its section of the runbook in docs/operations.md."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from prometheus_client import REGISTRY
 
 from ftsystem.measure import metrics  # noqa: F401  (importing it registers the metrics in REGISTRY)
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARDS = REPO / "dashboards"
+OPERATIONS = REPO / "docs" / "operations.md"
+RUNBOOK = "Runbook"
+"""The section of docs/operations.md with one subsection per alert."""
 RULE_FILES = ("recording.yml", "alerts.yml")
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -37,10 +42,14 @@ def test_promtool_unit_tests_pass():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def alert_rules() -> list[dict]:
+    return [rule for name in RULE_FILES
+            for group in yaml.safe_load((DASHBOARDS / name).read_text())["groups"]
+            for rule in group["rules"] if "alert" in rule]
+
+
 def test_every_alert_has_a_unit_test():
-    alerts = {rule["alert"] for name in RULE_FILES
-              for group in yaml.safe_load((DASHBOARDS / name).read_text())["groups"]
-              for rule in group["rules"] if "alert" in rule}
+    alerts = {rule["alert"] for rule in alert_rules()}
     tested = {check["alertname"] for test in
               yaml.safe_load((DASHBOARDS / "alerts_test.yml").read_text())["tests"]
               for check in test.get("alert_rule_test", []) if check["exp_alerts"]}
@@ -65,3 +74,38 @@ def test_rules_and_dashboards_name_only_exported_metrics():
     assert "ftsystem_steps_committed_total" in used
     unknown = used - exported_names()
     assert not unknown, f"not exported by ftsystem/measure/metrics.py: {sorted(unknown)}"
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub (and most Markdown renderers) give a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def runbook_anchors() -> list[str]:
+    """The anchors of the subsections of the runbook section, code blocks left out."""
+    lines = re.MULTILINE
+    text = re.sub(r"^```.*?^```", "", OPERATIONS.read_text(), flags=lines | re.DOTALL)
+    section = re.search(rf"^## {RUNBOOK}\n(.*?)(?=^## |\Z)", text, lines | re.DOTALL)
+    assert section, f"docs/operations.md has no '## {RUNBOOK}' section"
+    return [github_anchor(h) for h in re.findall(r"^### (.+)$", section.group(1), lines)]
+
+
+def test_github_anchor():
+    assert github_anchor("FtsystemNoLeader") == "ftsystemnoleader"
+    assert github_anchor("The job's token and the state servers") == \
+        "the-jobs-token-and-the-state-servers"
+
+
+def test_every_alert_links_its_runbook_section():
+    anchors = runbook_anchors()
+    assert len(anchors) == len(set(anchors)), anchors
+    linked = []
+    for rule in alert_rules():
+        url = rule["annotations"].get("runbook_url", "")
+        path, _, anchor = url.partition("#")
+        assert path == "docs/operations.md", (rule["alert"], url)
+        assert anchor == github_anchor(rule["alert"]), (rule["alert"], url)
+        assert anchor in anchors, f"{rule['alert']}: no '### {rule['alert']}' under {RUNBOOK}"
+        linked.append(anchor)
+    assert sorted(linked) == sorted(anchors), "runbook sections without an alert: " + \
+        str(sorted(set(anchors) - set(linked)))
