@@ -4,9 +4,12 @@
 against DDP's: the all-reduce wait is what DDP pays too; the rest (packing the gradients, the
 vote, the step function's copy, the carry, the log, the telemetry) is ftsystem's own.
 
-The first commits of a process are summed apart (:attr:`CommitTimes.start_up`): they fault in
-fresh buffers (a first pack of 400 MB took 2.5 s here against 20 ms later) and would otherwise
-dominate the average of a short run, as the benches' throughput leaves them out too.
+The first commits of a process are summed apart (:attr:`CommitTimes.start_up`): until the update
+log holds its last few steps and hands their buffers back for reuse, every step's gradients go
+to a fresh buffer, page-faulted in (at 10M parameters, 40 MB, beside a second replica starting
+up: 30-300 ms a pack, against 2.5 ms into a reused buffer; a first pack of 400 MB took 2.5 s).
+Averaged with the rest they would stand for the steady state of a short run, whose throughput
+the benches measure after their warm-up steps too.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import time
 from collections import defaultdict
 from typing import Iterator
 
-START_UP_COMMITS = 2
-"""Commits whose parts are summed apart (``ftsystem bench overhead``'s fewest warm-up steps)."""
+START_UP_COMMITS = 5
+"""Commits whose parts are summed apart: the update log's ``KEEP_MIN_ENTRIES`` (4) and one, the
+first whose buffer is a reused one."""
 
 
 class CommitTimes:
