@@ -217,14 +217,10 @@ def run_ddp(spec: RunSpec, workdir: Path, *, control_plane: bool = False) -> dic
 
     with idle_control_plane(workdir / "control-plane") if control_plane \
             else contextlib.nullcontext():
-        _run_ddp_ranks(spec, workdir)
+        run_ranks("DDP", lambda rank: harness.ddp_rank_command(spec, rank, workdir),
+                  world_size=spec.num_replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S,
+                  finished=lambda rank: (workdir / f"rank{rank}.json").exists())
     return harness.read_timelines("ddp", workdir)
-
-
-def _run_ddp_ranks(spec: RunSpec, workdir: Path) -> None:
-    run_ranks("DDP", lambda rank: harness.ddp_rank_command(spec, rank, workdir),
-              world_size=spec.num_replicas, workdir=workdir, timeout_s=DDP_TIMEOUT_S,
-              finished=lambda rank: (workdir / f"rank{rank}.json").exists())
 
 
 def run_ranks(what: str, args_of: Callable[[int], list[str]], *, world_size: int,
