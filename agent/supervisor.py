@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -37,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import Awaitable, Callable, Iterable, NoReturn, Sequence, TypeVar
 
 from agent.chaos import replica_executor
 from agent.job_settings import SpecConflict, rank_settings_env, resolve_timeout
@@ -75,6 +76,19 @@ waiting on would hold its nodes until the allocation is cancelled."""
 EXIT_JOB_DELETED = 5
 """The agent's exit status when the job's spec was deleted while it ran (``ftsystem job delete
 --force``): there is no job left to restart its replica into."""
+EXIT_SIGNALLED_BASE = 128
+"""Told to stop by signal N, the agent exits 128 + N: 143 for SIGTERM (a deleted pod, scancel,
+``docker stop``), 130 for SIGINT (Ctrl-C). A shell reports a command that a signal ended so, and
+Kubernetes' podFailurePolicy, Slurm and scripts read the status the same way whether the agent
+handled the signal or died of it."""
+STOP_ETCD_S = 5.0
+"""Once told to stop, the agent exits within ``grace_s`` (its ranks' teardown) plus this: etcd
+work still undone by then (revoking the replica lease, ending the generation, giving up the node
+rank) is skipped and logged. Each of those only speeds up what etcd does by itself when the
+leases expire, a TTL later; an agent waiting on a frozen etcd instead (its store retries a call
+for ``FTSYSTEM_ETCD_RETRY_S``, then the next) would outlive its stop deadline (Kubernetes'
+terminationGracePeriodSeconds, 30 s by default; Slurm's KillWait) and be SIGKILLed, its exit
+status lost."""
 TEARDOWN_S = 60.0
 """A rank whose interpreter is exiting (``runtime.EXITING_MARK``) gets this long to exit before
 it counts as hung: destroying process groups takes seconds, a wedged NCCL destructor forever."""
@@ -136,6 +150,16 @@ class AgentConfig:
     def layout(self) -> Layout:
         return Layout(self.nodes, self.nproc_per_node)
 
+    @property
+    def stop_bound_s(self) -> float:
+        """The longest an agent takes to exit once told to stop: its ranks' grace, then its
+        etcd work on the way out (``STOP_ETCD_S``)."""
+        return self.grace_s + STOP_ETCD_S
+
+
+class StopDeadlinePassed(Exception):
+    """The agent was told to stop and its etcd work on the way out ran out of time."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Stop:
@@ -177,6 +201,11 @@ class Agent:
         self.pulse = Pulse(self.uid, cfg.host, cfg.peer_timeout_s,
                            startup_s=max(cfg.peer_timeout_s, self.timeouts.lease_ttl_s))
         self.stop_requested = asyncio.Event()
+        self.stop_exit_code = 1
+        """The exit status once told to stop; with ``stop_deadline``, written by
+        ``_request_stop`` alone."""
+        self.stop_deadline = math.inf
+        """When etcd work on the way out is given up (``STOP_ETCD_S``), in ``time.monotonic``."""
         self.kill_at = sorted(cfg.kill_at, key=lambda p: p.step)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ftsystem-agent-{cfg.replica_id}-"))
         self.lease_file = self.workdir / "replica-lease"
@@ -184,12 +213,12 @@ class Agent:
         self.metrics_addr = metrics.serve(cfg.host)
         self.spec: dict | None = None
         self.slot: NodeSlot | None = None
-        self.slot_lost = False
 
     async def run(self) -> int:
         """Supervise until the replica finishes (0, also when it had finished before this
         agent took its node rank), gives up (1), is refused (2), halts (3), the job finishes
-        without it (4), the job is deleted (5) or the agent is told to stop (130)."""
+        without it (4), the job is deleted (5) or the agent is told to stop (143 for SIGTERM,
+        130 for SIGINT: ``EXIT_SIGNALLED_BASE``)."""
         try:
             return await self._run()
         finally:  # its lease file and the ranks' heartbeats; nobody reads them any more
@@ -198,7 +227,8 @@ class Agent:
     async def _run(self) -> int:
         await self.store.connect()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
+            asyncio.get_running_loop().add_signal_handler(sig, self._request_stop,
+                                                          EXIT_SIGNALLED_BASE + sig)
         try:
             self._follow_spec(await self.rendezvous.check(self.cfg.node_rank))
             pulse_addr = await self.pulse.start()
@@ -219,14 +249,14 @@ class Agent:
         hold.add_done_callback(self._on_slot_lost)
         background = [hold, asyncio.create_task(chaos.run())]
         try:
-            code = await self._supervise()
-            return 1 if self.slot_lost else code
+            return await self._supervise()
         finally:
             await chaos.stop()
             await _cancel(background)
-            await self.slot.release()
+            await self._until_etcd_back(f"giving up node rank {self.node_rank}",
+                                        self.slot.release)
             self.pulse.close()
-            await self.store.close()
+            await self.store.close()  # local: it cancels what is in flight, awaits no answer
 
     @property
     def node_rank(self) -> int:
@@ -238,7 +268,15 @@ class Agent:
         if hold.cancelled() or not isinstance(hold.exception(), SlotTaken):
             return
         log.error("%s: stopping this node's ranks and exiting", hold.exception())
-        self.slot_lost = True
+        self._request_stop(1)
+
+    def _request_stop(self, exit_code: int) -> None:
+        """Stop the ranks and exit with ``exit_code`` (the first request's), etcd work on the
+        way out bounded by ``stop_deadline``."""
+        if self.stop_requested.is_set():
+            return
+        self.stop_exit_code = exit_code
+        self.stop_deadline = time.monotonic() + self.cfg.stop_bound_s
         self.stop_requested.set()
 
     def _running_pids(self) -> list[int]:
@@ -247,10 +285,10 @@ class Agent:
     async def _supervise(self) -> int:
         backoff, last = self.cfg.backoff_s, -1
         for _ in range(self.cfg.max_restarts + 1):
-            generation = await self._unless_stopped(
-                self._until_etcd_back(lambda: self._next_generation(last)))
+            generation = await self._unless_stopped(self._until_etcd_back(
+                "opening the next generation", lambda: self._next_generation(last)))
             if generation is None:
-                return 130
+                return self.stop_exit_code
             if isinstance(generation, _Stop):
                 (log.info if generation.exit_code == 0 else log.error)("%s", generation)
                 return generation.exit_code
@@ -262,9 +300,10 @@ class Agent:
                          outcome.last_step, generation.number)
                 return 0
             if self.stop_requested.is_set():
-                return 130
-            halted = await self._until_etcd_back(
-                lambda: self.store.get_json(keys.halted(self.cfg.job, self.cfg.replica_id)))
+                return self.stop_exit_code
+            halted = await self._until_etcd_back("reading whether the replica halted", lambda:
+                                                 self.store.get_json(keys.halted(
+                                                     self.cfg.job, self.cfg.replica_id)))
             if halted is not None:  # the replica found an error no restart can fix
                 log.error("replica %s halted at step %s, not restarting it: %s",
                           self.cfg.replica_id, halted.get("step"), halted.get("reason"))
@@ -278,7 +317,7 @@ class Agent:
                 # Not wait_for: in Python 3.11 it can drop a cancellation (CPython gh-86296).
                 async with asyncio.timeout(backoff):
                     await self.stop_requested.wait()
-                return 130
+                return self.stop_exit_code
             except TimeoutError:
                 backoff = min(backoff * 2, self.cfg.max_backoff_s)
         log.error("replica %s: giving up after %d restarts", self.cfg.replica_id,
@@ -348,18 +387,29 @@ class Agent:
         """``wait``'s result, or why to give up waiting: the job finished without us."""
         return await _first_of(wait, self._until_the_job_ends_without_us())
 
-    async def _until_etcd_back(self, op: Callable[[], Awaitable[T]]) -> T | None:
-        """``op()``, retried across an etcd outage however long; tried once more, then None,
-        once the agent is told to stop."""
+    async def _until_etcd_back(self, what: str, op: Callable[[], Awaitable[T]]) -> T | None:
+        """``op()``, retried across an etcd outage however long. Once the agent is told to
+        stop, it is tried once more, and given up at the stop deadline: then None, and
+        ``what`` (it names the work) is logged as skipped."""
         while True:
             try:
-                return await op()
+                return await _first_of(op(), self._stop_deadline())
+            except StopDeadlinePassed:
+                log.warning("told to stop, and etcd did not answer in time: skipped %s", what)
+                return None
             except StoreUnavailableError as e:
                 if self.stop_requested.is_set():
-                    log.warning("%s; stopping anyway", e)
+                    log.warning("%s; stopping anyway, skipped %s", e, what)
                     return None
                 log.warning("%s; retrying", e)
                 await asyncio.sleep(1.0)
+
+    async def _stop_deadline(self) -> NoReturn:
+        """Raises :class:`StopDeadlinePassed` once the agent, told to stop, reaches its stop
+        deadline; waits forever until then."""
+        await self.stop_requested.wait()
+        await asyncio.sleep(self.stop_deadline - time.monotonic())
+        raise StopDeadlinePassed(f"stop deadline passed ({STOP_ETCD_S:g} s past the grace)")
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None as soon as the agent is told to stop."""
@@ -433,11 +483,13 @@ class Agent:
             await self._kill_children()
             # Marked before this agent gives up its node rank: whoever takes the rank next (a
             # spare, a restarted agent) finds the replica finished and starts nothing.
-            await self._until_etcd_back(lambda: self.rendezvous.finish(generation.number))
+            await self._until_etcd_back("marking the replica finished",
+                                        lambda: self.rendezvous.finish(generation.number))
             if self.node_rank == 0:  # what the ranks registered on it goes with the replica
-                await self._until_etcd_back(lambda: self.store.revoke(generation.lease))
+                await self._until_etcd_back("revoking the replica lease",
+                                            lambda: self.store.revoke(generation.lease))
             return outcome
-        # The revoke goes out first; the ranks are stopped meanwhile, even while etcd is
+        # The revoke is started first; the ranks are stopped meanwhile, even while etcd is
         # unreachable (a node cut off from its peers fences itself at once).
         ending = asyncio.create_task(self._end(generation, outcome))
         await asyncio.sleep(0)
@@ -450,15 +502,21 @@ class Agent:
         starts when the registration disappears), then end the generation for its other
         agents; the agent that ended it records the failure (a stop is no failure)."""
         self.pulse.announce(ENDED)
-        await self._until_etcd_back(lambda: self.store.revoke(generation.lease))
+        await self._until_etcd_back("revoking the replica lease (its registration goes with "
+                                    "it when the lease expires)",
+                                    lambda: self.store.revoke(generation.lease))
         if (silent := self.pulse.view and self.pulse.view.silent) is not None:
-            await self._until_etcd_back(lambda: self._free_slot(silent))
+            await self._until_etcd_back(f"freeing node rank {silent} of a silent peer",
+                                        lambda: self._free_slot(silent))
         if outcome.reason.startswith("ended by"):
             return  # another agent ended it, and records why
         won = await self._until_etcd_back(
+            f"ending generation {generation.number} for the replica's other agents",
             lambda: self.rendezvous.end(generation.number, outcome.reason))
         if won and outcome.reason != "stopped":
-            await self._until_etcd_back(lambda: self._record_failure(generation.number, outcome))
+            await self._until_etcd_back(f"recording the failure of generation "
+                                        f"{generation.number}",
+                                        lambda: self._record_failure(generation.number, outcome))
 
     async def _free_slot(self, node_rank: int) -> None:
         """A silent peer's node rank is freed at once (its lease would hold it for a TTL): the

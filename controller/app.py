@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Query, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import BearerAuth, load_token
@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 INTERNAL_EPOCH_FIELDS = ("store_addr",)
 """Left out of the public view: the rendezvous store's address. (The state servers' addresses
 live in registrations and catch-up assignments, which the view does not copy.)"""
+READY_TIMEOUT_S = 1.0
+"""How long ``/readyz`` waits for etcd. Below the probes' own timeout (2 s in docker/k8s), so
+that a frozen etcd gets a 503 that says so rather than a probe timeout that says nothing; and
+far below the store's retry deadline, which outlasts any probe."""
 
 
 def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> FastAPI:
@@ -65,6 +69,14 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
     async def healthz() -> dict:
         return {"status": "ok", "job": cfg.job, "instance": cfg.instance_id,
                 "pid": os.getpid(), "leader": is_leader.is_set()}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """Ready to serve the API: etcd answers and some instance leads the job (503 names
+        the condition that failed). Not a liveness check: an etcd outage must not restart
+        the controllers."""
+        status, body = await readiness(store, cfg.job)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/jobs")
     async def list_jobs() -> dict:
@@ -190,6 +202,32 @@ async def _restore_when_deleted(store: Store, record: HeldKey) -> None:
         async for event in store.watch_prefix(record.key, start_revision=revision + 1):
             if event.kind == "DELETE":
                 break
+
+
+async def readiness(store: Store, job: str) -> tuple[int, dict[str, Any]]:
+    """One read of the leader key, bounded by ``READY_TIMEOUT_S``: it answers both whether
+    etcd is reachable and whether an instance leads (the key lives on the leader's lease)."""
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            leader = await store.get(keys.leader(job))
+    except (StoreError, TimeoutError) as e:
+        return readiness_reply(job, leader=None, etcd_error=str(e) or "no answer")
+    return readiness_reply(job, leader=leader, etcd_error=None)
+
+
+def readiness_reply(job: str, *, leader: bytes | None, etcd_error: str | None
+                    ) -> tuple[int, dict[str, Any]]:
+    """Pure: ``/readyz``'s status and body from what the read found."""
+    if etcd_error is not None:
+        return 503, {"ready": False, "failed": "etcd",
+                     "detail": f"reading etcd failed ({etcd_error}; a read gets "
+                               f"{READY_TIMEOUT_S:g} s): check the etcd endpoints and their "
+                               "health"}
+    if leader is None:
+        return 503, {"ready": False, "failed": "leader",
+                     "detail": f"no controller instance leads job {job} (no leader key): "
+                               "one campaigns as it starts; see the controllers' logs"}
+    return 200, {"ready": True, "leader": leader.decode()}
 
 
 def _exit_on_crash(task: asyncio.Task) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import API_TOKEN, controller_process, wait_for
 from ftsystem.control import keys
+from ftsystem.control.etcd_server import EmbeddedEtcd
 from ftsystem.control.membership import Registration, ReplicaState
 from ftsystem.control.store import Store
 
@@ -116,3 +117,41 @@ def test_bad_requests_get_clear_errors(controller, job_id):
     assert unknown_replica.status_code == 404 and "lists its replicas" in unknown_replica.text
     illegal = httpx.get(f"{controller}/v1/jobs/{job_id}/replicas/a%20b%3B")
     assert illegal.status_code == 400 and "invalid replica id" in illegal.text
+
+
+def _readyz(base: str) -> tuple[int, dict] | None:
+    try:
+        reply = httpx.get(f"{base}/readyz", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return reply.status_code, reply.json()
+
+
+def test_readyz_follows_etcd_while_healthz_stays_up(job_id, tmp_path):
+    """etcd stopped: /readyz answers 503 naming etcd, /healthz still 200 (liveness must not
+    restart the controllers for an outage); etcd back: /readyz 200 with the leader."""
+    with EmbeddedEtcd(data_dir=tmp_path / "etcd") as etcd, \
+            controller_process(etcd.url, job_id, tmp_path) as base:
+        status, body = wait_for(lambda: (r := _readyz(base)) and r[0] == 200 and r, 30,
+                                "the controller to lead and be ready")
+        assert body["ready"] is True and body["leader"]
+        etcd.stop()
+        status, body = wait_for(lambda: (r := _readyz(base)) and r[0] == 503 and r, 30,
+                                "/readyz to report etcd down")
+        assert body["ready"] is False and body["failed"] == "etcd", body
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        etcd.start()  # the same port and data: the controllers' endpoint
+        status, body = wait_for(lambda: (r := _readyz(base)) and r[0] == 200 and r, 60,
+                                "/readyz to recover with etcd")
+        assert body["ready"] is True and body["leader"]
+
+
+def test_readiness_names_the_condition_that_failed():
+    from controller.app import readiness_reply
+    assert readiness_reply("j", leader=b"c-0", etcd_error=None) == (
+        200, {"ready": True, "leader": "c-0"})
+    status, body = readiness_reply("j", leader=None, etcd_error="no answer")
+    assert (status, body["ready"], body["failed"]) == (503, False, "etcd")
+    assert "no answer" in body["detail"]
+    status, body = readiness_reply("j", leader=None, etcd_error=None)
+    assert (status, body["failed"]) == (503, "leader") and "job j" in body["detail"]

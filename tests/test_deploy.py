@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -44,7 +45,8 @@ TARGETS = {"controller": ["ftsystem", "controller"], "agent": ["ftsystem", "agen
 """Each image target and the entrypoint it must have."""
 CONTROLLER_LEAVES_OUT = {"torch", "torchft", "torchdata"}
 API_VERSIONS = {"Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "StatefulSet": "apps/v1",
-                "Deployment": "apps/v1", "Job": "batch/v1", "PodDisruptionBudget": "policy/v1"}
+                "Deployment": "apps/v1", "Job": "batch/v1", "PodDisruptionBudget": "policy/v1",
+                "PersistentVolumeClaim": "v1"}
 POD_FIELDS = {"metadata.name": "ftsystem-controller-7d4b9c8f6d-x2x7k", "status.podIP": "10.1.2.3",
               "spec.nodeName": "gpu-node-7"}
 """Sample values of the downward API fields the manifests use."""
@@ -152,6 +154,30 @@ def test_dockerfile_copies_exist_and_images_hold_what_they_run():
     assert any("TORCH_INDEX=https://download.pytorch.org/whl/cpu" in rest
                for _, rest in stages["worker"].instructions)
     assert not any("pip install torch" in line for line in run_lines("controller"))
+
+
+def controller_routes() -> set[str]:
+    """The paths the controller's app serves (built, not started: nothing connects)."""
+    from controller.app import create_app
+    from controller.leader import LeaderConfig
+    from ftsystem.control.store import Store
+    app = create_app(Store("http://127.0.0.1:1"), LeaderConfig(job="j", instance_id="i"),
+                     insecure=True)
+    return {getattr(route, "path", "") for route in app.routes}
+
+
+def test_dockerfile_controller_healthcheck_asks_healthz_on_its_port():
+    (check,) = [rest for keyword, rest in dockerfile_stages()["controller"].instructions
+                if keyword == "HEALTHCHECK"]
+    options, _, command = check.partition(" CMD ")
+    assert re.search(r"--timeout=\d+s", options) and re.search(r"--interval=\d+s", options)
+    argv = json.loads(command)  # the exec form: no shell in the way
+    (url,) = re.findall(r"'(http://[^']+)'", argv[-1])
+    (exposed,) = [rest for keyword, rest in dockerfile_stages()["controller"].instructions
+                  if keyword == "EXPOSE"]
+    # /healthz answers without etcd: an outage must not make the controller unhealthy.
+    assert url == f"http://127.0.0.1:{exposed}/healthz"
+    assert "/healthz" in controller_routes()
 
 
 def controller_requirements(directory: Path) -> list[str]:
@@ -318,6 +344,40 @@ def interpolate(value: str, env: dict[str, str]) -> str:
         assert operator != ":?", f"compose refuses to start without {name}: {argument}"
         return argument or ""
     return re.sub(r"\$\{(\w+)(?:(:[-?])([^}]*))?\}", one, value)
+
+
+def commented_stanza(text: str, first: str) -> dict:
+    """The commented-out YAML block whose first line is ``# {first}``, uncommented and parsed:
+    a stanza left for users to uncomment is checked as if they had."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"# {first}")
+    indent = lines[start].index("#")
+    block = []
+    for line in lines[start:]:
+        if not line[indent:].startswith("# ") or line[:indent].strip():
+            break
+        block.append(line[indent + 2:])
+    return yaml.safe_load("\n".join(block))
+
+
+def agent_stop_bound_s() -> float:
+    """How long an agent with the default settings takes at most to exit once told to stop."""
+    from agent.supervisor import AgentConfig
+    return AgentConfig(etcd="", job="j", replica_id="r0", command=[]).stop_bound_s
+
+
+def test_compose_agents_have_shared_memory_a_stop_grace_and_a_gpu_stanza():
+    for name, service in agent_services().items():
+        # Docker's default /dev/shm is 64 MB; NCCL and DataLoader workers need more.
+        assert re.fullmatch(r"[1-9]\d*gb", service["shm_size"]), name
+        # Compose SIGKILLs a container still running after this: the agent's exit status lost.
+        assert int(service["stop_grace_period"].removesuffix("s")) > agent_stop_bound_s(), name
+        assert "deploy" not in service, f"{name}: a GPU reservation fails on CPU-only hosts"
+    stanza = commented_stanza((DOCKER / "compose.yaml").read_text(), "deploy:")
+    (device,) = stanza["deploy"]["resources"]["reservations"]["devices"]
+    assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    podman = (DOCKER / "compose.podman.yaml").read_text()
+    assert '#   devices: ["nvidia.com/gpu=all"]' in podman  # Podman's CDI name for them
 
 
 def test_compose_controller_requires_an_api_token():
@@ -689,6 +749,9 @@ def check_replica_job(job: dict) -> str:
     assert pod["restartPolicy"] == "Never", name  # podFailurePolicy requires it
     check_gpus_and_shm(pod, container, int(option(args, "--nproc-per-node")))
     check_one_agent_per_node(pod, spec["template"]["metadata"]["labels"])
+    check_agent_probes(container)
+    check_agent_stop(pod)
+    check_results_outlive_the_pod(pod, container, command)
     return replica
 
 
@@ -705,8 +768,16 @@ def check_failure_policy(spec: dict, container: str) -> None:
     assert {"type": "DisruptionTarget", "status": "True"} in rules[0]["onPodConditions"]
     by_exit = {code: r["action"] for r in rules if "onExitCodes" in r
                for code in r["onExitCodes"]["values"]}
-    assert by_exit[3] == "FailJob"  # the job halted: every retry would halt again
-    assert by_exit[130] == "Ignore"  # stopped by SIGTERM: not a failure of the training
+    from agent import supervisor
+    # Every retry would end the same: the job halted, finished without the replica, was deleted.
+    for code in (supervisor.EXIT_HALTED, supervisor.EXIT_MISSED_THE_END,
+                 supervisor.EXIT_JOB_DELETED):
+        assert by_exit[code] == "FailJob", code
+    # Stopped by SIGTERM (a deleted pod) or SIGINT: not a failure of the training.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        assert by_exit[supervisor.EXIT_SIGNALLED_BASE + sig] == "Ignore", sig
+    # Refused, e.g. while the lost pod's agent still holds the node rank: a retry may succeed.
+    assert supervisor.EXIT_BAD_INPUT not in by_exit
     assert 0 not in by_exit  # a finished replica completes its index as usual
     assert all(r["onExitCodes"] == r["onExitCodes"] | {"containerName": container,
                                                        "operator": "In"}
@@ -724,6 +795,36 @@ def check_gpus_and_shm(pod: dict, container: dict, nproc_per_node: int) -> None:
     # tmpfs pages are charged to the container: its memory limit makes room for them.
     assert gib(resources["limits"]["memory"]) == \
         gib(resources["requests"]["memory"]) + gib(shm["sizeLimit"])
+
+
+def check_agent_probes(container: dict) -> None:
+    """The agent serves /metrics on FTSYSTEM_METRICS_PORT, declared as the port "metrics"."""
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (port,) = [p for p in container["ports"] if p["name"] == "metrics"]
+    assert port["containerPort"] == int(env["FTSYSTEM_METRICS_PORT"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, probe
+    # A liveness failure stops the agent: only after a while of not answering.
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+
+
+def check_agent_stop(pod: dict) -> None:
+    """An init reaps what the ranks orphan; the kubelet waits for the agent's bounded stop."""
+    assert pod["shareProcessNamespace"] is True
+    assert pod["terminationGracePeriodSeconds"] > agent_stop_bound_s()
+
+
+def check_results_outlive_the_pod(pod: dict, container: dict, command: list[str]) -> None:
+    """The results directory is on a claim of the manifests (not an emptyDir), writable by the
+    pod's user."""
+    (mount,) = [m for m in container["volumeMounts"]
+                if option(command, "--out").startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    (pvc,) = [c for c in k8s("PersistentVolumeClaim") if c["metadata"]["name"] == claim]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # pods on several nodes write it
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
 
 
 def gib(quantity: str) -> int:
@@ -805,6 +906,21 @@ def test_k8s_controller_command_is_an_ftsystem_command(monkeypatch):
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"]
                   if v["name"] == mount["name"])
     assert volume["secret"]["secretName"] and "optional" not in volume["secret"]
+
+
+def test_k8s_controller_probes_liveness_and_readiness():
+    (deployment,) = k8s("Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    # Liveness does not touch etcd (an outage must not restart the controllers); readiness
+    # says that etcd answers and the job has a leader.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    from controller.app import READY_TIMEOUT_S
+    assert container["readinessProbe"]["timeoutSeconds"] > READY_TIMEOUT_S
+    assert {"/healthz", "/readyz"} <= controller_routes()
+    # An etcd outage makes every controller unready: a drain must still evict them.
+    (budget,) = k8s("PodDisruptionBudget")
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def test_k8s_agent_commands_are_ftsystem_commands(monkeypatch):

@@ -155,7 +155,7 @@ def _pid_alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_agent_leaves_no_orphans(etcd, job_id, tmp_path, sig):
     pid_file = tmp_path / "child.pid"
     agent = subprocess.Popen([
@@ -169,8 +169,50 @@ def test_agent_leaves_no_orphans(etcd, job_id, tmp_path, sig):
         wait_for(lambda: not _pid_alive(int(child)), 10, "the replica to die with its agent")
     finally:
         agent.kill()
-    if sig == signal.SIGTERM:
-        assert agent.returncode == 130
+    if sig != signal.SIGKILL:  # 128 + the signal, as a shell reports it: 143, 130
+        assert agent.returncode == 128 + sig
+
+
+@pytest.fixture
+def own_etcd(tmp_path):
+    """An etcd of this test alone: it is frozen (SIGSTOP), which the session's must not be."""
+    with EmbeddedEtcd(data_dir=tmp_path / "etcd") as server:
+        yield server
+        server.process.send_signal(signal.SIGCONT)  # stop() must reach it
+
+
+def test_agent_told_to_stop_exits_in_bounded_time_while_etcd_is_frozen(own_etcd, job_id,
+                                                                        tmp_path):
+    """etcd frozen (its connections hang instead of failing), then SIGTERM: the agent gives up
+    the etcd work of its way out (revoking the replica lease, ending the generation, releasing
+    its node rank) at its stop deadline, and exits 143 within the ranks' grace plus
+    ``STOP_ETCD_S``. Its store would otherwise retry each of those calls for a minute."""
+    from agent.supervisor import EXIT_SIGNALLED_BASE, AgentConfig
+    bound_s = AgentConfig(etcd="", job=job_id, replica_id="r0", command=[]).stop_bound_s
+    pid_file = tmp_path / "child.pid"
+    log_path = tmp_path / "agent.log"
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen([
+            sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", own_etcd.url, "--job",
+            job_id, "--replica-id", "r0", "--", "sh", "-c",
+            f"echo $$ > {pid_file}; exec sleep 300"],
+            env={**os.environ, "FTSYSTEM_ETCD_RETRY_S": "60"}, stdout=log,
+            stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30,
+                 "the replica to start")
+        own_etcd.process.send_signal(signal.SIGSTOP)
+        agent.send_signal(signal.SIGTERM)
+        margin_s = 10.0  # the interpreter's exit, and a loaded machine
+        try:
+            code = agent.wait(bound_s + margin_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the agent did not exit within {bound_s + margin_s:.0f} s "
+                                 f"of SIGTERM:\n{log_path.read_text()[-3000:]}") from None
+    finally:
+        agent.kill()
+    assert code == EXIT_SIGNALLED_BASE + signal.SIGTERM == 143, log_path.read_text()[-3000:]
+    assert "skipped" in log_path.read_text(), "no etcd work was reported as skipped"
 
 
 def _descendants(pid: int) -> set[int]:

@@ -18,10 +18,26 @@ import yaml
 
 LABELS = {"app.kubernetes.io/name": "ftsystem", "app.kubernetes.io/component": "agent"}
 REPLICA_LABEL = "ftsystem/replica"
+# `ftsystem agent`'s exit statuses (agent/supervisor.py, EXIT_*; docs/nodes.md), restated here
+# so that rendering needs PyYAML alone; tests/test_deploy.py checks that they agree.
 HALTED_EXIT = 3
-"""`ftsystem agent` exits 3 when the job halted on an unrecoverable error (divergence)."""
-STOPPED_EXIT = 130
-"""`ftsystem agent` exits 130 when stopped by SIGTERM."""
+"""The job halted on an error no restart fixes (a divergence without a majority)."""
+MISSED_THE_END_EXIT = 4
+"""The job finished without this replica, and no replica holding the final state is left."""
+JOB_DELETED_EXIT = 5
+"""The job's spec was deleted while the agent ran (`ftsystem job delete --force`)."""
+STOPPED_EXITS = (130, 143)
+"""Stopped by SIGINT (128 + 2) or SIGTERM (128 + 15: a deleted pod, the kubelet stopping it)."""
+METRICS_PORT = 9400
+"""The agent's metrics port (FTSYSTEM_METRICS_PORT); the rank of local rank k serves on
+9401 + k. Fixed, for the probes; Prometheus still finds every one through the controller."""
+RESULTS_CLAIM = "ftsystem-results"
+"""The PersistentVolumeClaim (results.yaml) every agent mounts at /data: the results outlive
+the pods, and the replica that finished before a pod was replaced keeps its JSON."""
+TERMINATION_GRACE_S = 30
+"""Longer than an agent takes to exit once told to stop: its ranks' grace (10 s) plus its etcd
+work on the way out (STOP_ETCD_S, 5 s; agent/supervisor.py). Past it the kubelet SIGKILLs the
+agent, and the exit status (143, ignored) becomes 137, which counts against the retries."""
 INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 TOKEN_SECRET = "ftsystem-api-token"
 """The job's token (docker/README.md), mounted as in the controllers' pods."""
@@ -40,9 +56,10 @@ HEADER = """\
 # {replicas} replica(s) x {nodes} node(s) x {nproc} GPU(s): one Indexed Job per replica
 # (ftsystem-r<i>); completion index k is the node rank of its pod in the replica. A replica
 # restarts alone: the other Jobs never see its failures. Evictions and preemptions
-# (DisruptionTarget) and SIGTERM (exit {stopped}) do not use up a node's retries; a halted job
-# (exit {halted}) fails the Job at once; a node rank that fails more than backoffLimitPerIndex
-# times fails its replica's Job.
+# (DisruptionTarget) and a stopped agent (exit {stopped}: SIGINT, SIGTERM) do not use up a
+# node's retries. Exits no retry can change fail the Job at once: {halted} (the job halted),
+# {missed} (it finished without this replica), {deleted} (it was deleted). A node rank that
+# fails more than backoffLimitPerIndex times fails its replica's Job.
 """
 
 
@@ -82,17 +99,32 @@ def replica_job(index: int, shape: Shape) -> dict:
     }
 
 
+FAIL_JOB_EXITS = (
+    # The job halted (a divergence): every retry would halt again.
+    HALTED_EXIT,
+    # The job finished without this replica: a new pod finds the same and exits 4 again. Ignored,
+    # it would be replaced forever; counted, it would use up its retries and fail anyway, later.
+    # The other replicas' Jobs have completed; this one fails now and frees its nodes.
+    MISSED_THE_END_EXIT,
+    # The job was deleted: there is no job to restart the replica into. A new pod would find no
+    # spec and start the replica alone, or in whatever job is created next under the same id.
+    JOB_DELETED_EXIT,
+)
+"""The agent's exits after which no retry can succeed. Not 2 (refused): a replacement pod is
+refused while the lost pod's agent still holds its node rank, until that lease expires."""
+
+
 def failure_rules() -> list[dict]:
     """Evaluated in order, the first match wins; an exit 0 completes the index as usual."""
     return [
         # Eviction, preemption, node drain or shutdown: the node went, not the training.
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        # The job halted (divergence): every retry would halt again.
         {"action": "FailJob", "onExitCodes": {"containerName": "agent", "operator": "In",
-                                              "values": [HALTED_EXIT]}},
-        # Stopped by SIGTERM (a deleted pod): someone stopped it, the training did not fail.
+                                              "values": list(FAIL_JOB_EXITS)}},
+        # Stopped (a deleted pod, the kubelet ending it): someone stopped it, the training did
+        # not fail.
         {"action": "Ignore", "onExitCodes": {"containerName": "agent", "operator": "In",
-                                             "values": [STOPPED_EXIT]}},
+                                             "values": list(STOPPED_EXITS)}},
     ]
 
 
@@ -100,14 +132,23 @@ def pod_spec(index: int, shape: Shape) -> dict:
     return {
         # Required by podFailurePolicy, and the agent restarts its ranks itself anyway.
         "restartPolicy": "Never",
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001},
+        # The pod's pause process becomes PID 1 and reaps what the ranks orphan (DataLoader
+        # workers, compilers' helpers), which the agent, as PID 1, would leave as zombies; and
+        # the agent no longer is PID 1, whose signals without a handler the kernel drops (a
+        # SIGTERM before it installs its own would wait out the grace period). Chosen over tini
+        # in the image: the image stays the same for Slurm and Compose (`init: true` there).
+        "shareProcessNamespace": True,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        # fsGroup: the results volume is writable by the unprivileged user.
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                            "fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch"},
         "affinity": one_agent_per_node(),
         # GPU nodes are commonly tainted so that only GPU pods land there.
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [agent_container(index, shape)],
         "volumes": [
-            # Results (one JSON per replica) live as long as the pod: mount a PVC to keep them.
-            {"name": "results", "emptyDir": {}},
+            # Results (one JSON per replica, written by its rank 0) on a claim every pod mounts.
+            {"name": "results", "persistentVolumeClaim": {"claimName": RESULTS_CLAIM}},
             # NCCL's intra-node transport and DataLoader workers use /dev/shm; the container
             # runtime's default is 64 MiB.
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shape.shm_gi}Gi"}},
@@ -139,6 +180,14 @@ def agent_container(index: int, shape: Shape) -> dict:
                  "--host", "$(POD_IP)", "--node-id", "$(NODE_NAME)",
                  "--", *train_command(index)],
         "env": agent_env(),
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
+        # /metrics is served by a thread of the agent from its start, before etcd is reached:
+        # it says that the process runs, not that the replica trains (the agent restarts it).
+        # A liveness failure stops the agent with SIGTERM: exit 143, ignored, a new pod.
+        "readinessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"},
+                           "periodSeconds": 10, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"},
+                          "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 6},
         # Extended resources are requested through limits (the request equals the limit).
         "resources": {"requests": {"cpu": str(2 * shape.nproc_per_node),
                                    "memory": f"{shape.memory_gi}Gi"},
@@ -162,7 +211,8 @@ def agent_env() -> list[dict]:
     # nodes (the pod IP), --node-id names the machine.
     return [field("JOB_COMPLETION_INDEX", INDEX_ANNOTATION), field("POD_IP", "status.podIP"),
             field("NODE_NAME", "spec.nodeName"), config("JOB_ID"), config("ETCD_ENDPOINTS"),
-            {"name": "FTSYSTEM_API_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"}]
+            {"name": "FTSYSTEM_API_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
+            {"name": "FTSYSTEM_METRICS_PORT", "value": str(METRICS_PORT)}]
 
 
 DEFAULTS = {"replicas": 2, "nodes": 2, "nproc_per_node": 8, "shm_gi": 16, "memory_gi": 64}
@@ -178,7 +228,10 @@ def render(**options: int) -> str:
     jobs = [replica_job(i, shape) for i in range(o["replicas"])]
     changed = "".join(f" --{k.replace('_', '-')} {v}" for k, v in o.items() if v != DEFAULTS[k])
     header = HEADER.format(options=changed, replicas=o["replicas"], nodes=o["nodes"],
-                           nproc=o["nproc_per_node"], stopped=STOPPED_EXIT, halted=HALTED_EXIT)
+                           nproc=o["nproc_per_node"],
+                           stopped=", ".join(map(str, STOPPED_EXITS)),
+                           halted=HALTED_EXIT, missed=MISSED_THE_END_EXIT,
+                           deleted=JOB_DELETED_EXIT)
     return header + yaml.dump_all(jobs, Dumper=_Dumper, sort_keys=False, width=100)
 
 
