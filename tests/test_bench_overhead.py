@@ -22,6 +22,7 @@ from ftsystem.benchmarks.overhead import (
     parse_sizes,
     parse_systems,
     ratios,
+    run_ddp,
     run_ranks,
     steady_rate,
     warmup_steps,
@@ -99,6 +100,14 @@ def test_quick_run_writes_positive_throughputs(tmp_path) -> None:
     run = model["runs"]["ftsystem"][0]
     assert run["commit_ms"]["allreduce"] > 0 and run["start_up_commit_ms"]["pack"] > 0
     assert "overhead: steady-state throughput" in result.output
+
+
+@pytest.mark.slow
+def test_ddp_trains_the_real_loop(tmp_path) -> None:
+    # Two real ranks run the example program's loop (schedule, scaler, clipping, dropout,
+    # the shuffling loader) through DDP: every step commits on both.
+    timelines = run_ddp(RunSpec(num_replicas=2, steps=3, loop="real"), tmp_path)
+    assert sorted(len(tl) for tl in timelines.values()) == [3, 3], timelines
 
 
 @pytest.mark.slow

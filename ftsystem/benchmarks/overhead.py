@@ -337,7 +337,7 @@ def measure(spec: RunSpec, *, systems: Sequence[str], rounds: int, workdir: Path
         if name.startswith("ftsystem"):
             result["commit_ms"] = commit_breakdown(out_dir)
             result["start_up_commit_ms"] = commit_breakdown(out_dir, "start_up_commit_ms")
-            result["overlapped_commits"] = commit_breakdown(out_dir, "overlapped_commits")
+            result["overlapped_commits"] = overlapped_commits(out_dir)
         return result
 
     runs, log = report.in_rounds(systems, rounds, run)
@@ -361,22 +361,28 @@ def measure(spec: RunSpec, *, systems: Sequence[str], rounds: int, workdir: Path
             "runs": runs, "round_log": log}
 
 
-def commit_breakdown(out_dir: Path, key: str = "commit_ms") -> dict[str, float] | float | None:
+def _replica_figures(out_dir: Path, key: str) -> list:
+    """``key`` of each replica's result of one run (None where a result lacks it)."""
+    return [json.loads(path.read_text()).get(key)
+            for path in sorted((out_dir / "results").glob("r*.json"))]
+
+
+def commit_breakdown(out_dir: Path, key: str = "commit_ms") -> dict[str, float]:
     """Milliseconds per commit of each part of ``commit()`` after the start-up commits
-    (``training.commit_times``), the median over the replicas of one run; with ``key``,
-    another figure of the replicas' results (``start_up_commit_ms``: the parts summed over
-    the start-up commits; ``overlapped_commits``: commits whose buckets went out during
-    backward)."""
-    results = [json.loads(path.read_text()).get(key)
-               for path in sorted((out_dir / "results").glob("r*.json"))]
-    if key == "overlapped_commits":
-        counts = [count for count in results if count is not None]
-        return statistics.median(counts) if counts else None
+    (``training.commit_times``), the median over the replicas of one run; ``key``
+    ``start_up_commit_ms``: the parts summed over the start-up commits instead."""
     parts: dict[str, list[float]] = {}
-    for result in results:
+    for result in _replica_figures(out_dir, key):
         for name, ms in (result or {}).items():
             parts.setdefault(name, []).append(ms)
     return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def overlapped_commits(out_dir: Path) -> float | None:
+    """The median over the replicas of one run of the commits whose gradient buckets went
+    out during backward."""
+    counts = [c for c in _replica_figures(out_dir, "overlapped_commits") if c is not None]
+    return statistics.median(counts) if counts else None
 
 
 def breakdown_over_rounds(runs: Sequence[dict]) -> dict[str, dict]:

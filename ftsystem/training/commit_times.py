@@ -19,9 +19,11 @@ import time
 from collections import defaultdict
 from typing import Iterator
 
-START_UP_COMMITS = 5
-"""Commits whose parts are summed apart: the update log's ``KEEP_MIN_ENTRIES`` (4) and one, the
-first whose buffer is a reused one."""
+from ftsystem.training.update_log import KEEP_MIN_ENTRIES
+
+START_UP_COMMITS = KEEP_MIN_ENTRIES + 1
+"""Commits whose parts are summed apart: those before the update log holds its last few steps,
+and the one that fills it; the next is the first into a reused buffer."""
 
 
 class CommitTimes:
