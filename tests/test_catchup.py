@@ -88,6 +88,31 @@ def test_an_entry_over_the_budget_empties_the_log_without_a_gap():
     assert log.since(0) is None and [s for s, _ in log.since(3)] == [4]
 
 
+def test_reserved_buffers_serve_the_first_steps_and_then_the_log_recycles():
+    # A fresh process (a joiner above all) would otherwise page-fault a new buffer for each
+    # of its first steps' averages, while the members wait for it at the all-reduce.
+    log = UpdateLog(budget_bytes=1 << 20)
+    log.reserve(256, torch.float32, torch.device("cpu"))
+    reserved = {id(t) for t in log._spare}
+    assert len(reserved) == KEEP_MIN_ENTRIES + 1
+    taken = []
+    for step in range(1, 3 * KEEP_MIN_ENTRIES):
+        buf = log.recycle(256, torch.float32)
+        assert buf is not None, f"step {step} found no buffer"
+        taken.append(id(buf))
+        log.append(step, LoggedUpdate(buf, parent=GENESIS, chain=GENESIS))
+    assert set(taken) == reserved  # every step reused one of them: nothing new was allocated
+
+
+def test_a_reserve_stays_within_the_budget():
+    log = UpdateLog(budget_bytes=2048)  # two entries of 1 KiB
+    log.reserve(256, torch.float32, torch.device("cpu"))
+    assert len(log._spare) == 3 and log.held_bytes == 3072  # as in steady state
+    over = UpdateLog(budget_bytes=100)  # not even one entry: the one buffer a step needs
+    over.reserve(256, torch.float32, torch.device("cpu"))
+    assert len(over._spare) == 1
+
+
 def test_a_recycled_buffer_is_on_the_device_asked_for():
     log = UpdateLog(budget_bytes=100)
     log.append(1, LoggedUpdate(torch.zeros(256), parent=GENESIS, chain=GENESIS))

@@ -4,12 +4,12 @@
 against DDP's: the all-reduce wait is what DDP pays too; the rest (packing the gradients, the
 vote, the step function's copy, the carry, the log, the telemetry) is ftsystem's own.
 
-The first commits of a process are summed apart (:attr:`CommitTimes.start_up`): until the update
-log holds its last few steps and hands their buffers back for reuse, every step's gradients go
-to a fresh buffer, page-faulted in (at 10M parameters, 40 MB, beside a second replica starting
-up: 30-300 ms a pack, against 2.5 ms into a reused buffer; a first pack of 400 MB took 2.5 s).
-Averaged with the rest they would stand for the steady state of a short run, whose throughput
-the benches measure after their warm-up steps too.
+The first commits of a process are summed apart (:attr:`CommitTimes.start_up`): their memory is
+new: the step function's first call allocates the optimizer's state. (The buffers of the first
+averages are not new: ``UpdateLog.reserve`` touches them at start. A fresh one page-faulted in
+took 30-300 ms a pack at 10M parameters beside a second replica starting up, against 2.5 ms into
+a reused buffer.) Averaged with the rest they would stand for the
+steady state of a short run, whose throughput the benches measure after their warm-up steps too.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Iterator
 from ftsystem.training.update_log import KEEP_MIN_ENTRIES
 
 START_UP_COMMITS = KEEP_MIN_ENTRIES + 1
-"""Commits whose parts are summed apart: those before the update log holds its last few steps,
-and the one that fills it; the next is the first into a reused buffer."""
+"""Commits whose parts are summed apart: as many as the update log's reserved buffers serve
+before it recycles its own entries."""
 
 
 class CommitTimes:

@@ -91,6 +91,10 @@ class GradientSum:
         self.overlapped_commits = 0
         """Commits whose gradients went out in buckets during backward."""
 
+    def reserve_buffers(self) -> None:
+        """The buffers of the first steps' averages, touched before this replica sums any."""
+        self._update_log.reserve(self._layout.numel, self._layout.dtype, self._layout.device)
+
     def zeros_ready(self) -> None:
         """A joiner's zeros, allocated before the members come to sum them."""
         self._spare = self._layout.empty().zero_()

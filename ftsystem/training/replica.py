@@ -276,6 +276,9 @@ class FTReplica:
                          for group in self.optimizer.param_groups],
                         "the optimizer's param_groups")
         self.state.start()
+        # Before the first step: a joiner touches them while it catches up, not while the
+        # members wait for its first sums.
+        self.gradients.reserve_buffers()
         # Once: it gathers over the replica's ranks and starts the metrics endpoint.
         addresses = self._registered_addresses = self._addresses()
         epoch = self.control.epoch
