@@ -138,6 +138,12 @@ def test_a_bad_log_place_is_refused_with_its_variable():
     assert ReplicaSettings.from_env({"FTSYSTEM_CATCHUP_LOG_PLACE": "host"}).log_place == "host"
 
 
+def test_the_warm_up_follows_its_variable_and_is_otherwise_left_to_the_device():
+    assert ReplicaSettings.from_env({}).warm_up is None  # on a GPU, off on a CPU
+    assert ReplicaSettings.from_env({"FTSYSTEM_WARM_UP": "1"}).warm_up is True
+    assert ReplicaSettings.from_env({"FTSYSTEM_WARM_UP": "0"}).warm_up is False
+
+
 def _served_state() -> dict:
     # Every kind of tensor a state holds: float and bfloat16 parameters, a non-contiguous
     # one, 0-d step counters, an empty one; bytes and plain values beside them.
@@ -315,7 +321,9 @@ def _kill(cfg_kills: list[tuple[int, int, str]]) -> list[ReplicaKill]:
     return [ReplicaKill(r, FaultPoint(step, phase)) for step, r, phase in cfg_kills]
 
 
-def test_join_while_training(etcd, job_id, tmp_path):
+def test_join_while_training(etcd, job_id, tmp_path, monkeypatch):
+    # The warm-up step, the default on a GPU, asked for here on the CPU.
+    monkeypatch.setenv("FTSYSTEM_WARM_UP", "1")  # inherited by the replicas
     cfg = RunConfig(num_replicas=3, num_steps=300, etcd=etcd.url, job=job_id, out_dir=tmp_path,
                     kills=_kill([(40, 1, "step")]), train_args=TRAIN_ARGS, show_progress=False)
     assert_invariant(run_job(cfg), cfg)
@@ -326,7 +334,7 @@ def test_join_while_training(etcd, job_id, tmp_path):
     # its first commit was the join step, taken with no gradient while the members committed
     # theirs (its loader took their states of that step: the invariant above holds)
     assert r1["commits"][0][0] == catchup["join_step"] > catchup["snapshot_step"]
-    # with the warm-up (the default), it computed one step of its loop before catching up and
+    # with the warm-up, it computed one step of its loop before catching up and
     # dropped it: the batch it drew and its dropout did not leave it off the members' state
     # (checked above); a join without it is the test of a log that cannot cover a transfer
     assert catchup["warm_up_s"] > 0
@@ -359,9 +367,9 @@ def test_catch_up_ends_when_the_log_cannot_cover_a_snapshots_transfer(
     # A link too slow for the donor's log window: the donor keeps about one step, and the
     # joiner pauses a second after each snapshot. Every log request after a snapshot is
     # answered 410. After FTSYSTEM_CATCHUP_TRIES snapshots the joiner joins as it is, and the
-    # epoch's state sync brings it up to date. The joiner runs without the warm-up step (a
-    # cold join: it asks for its first snapshot before it computes anything).
-    monkeypatch.setenv("FTSYSTEM_WARM_UP", "0")  # inherited by the replicas
+    # epoch's state sync brings it up to date. The joiner runs without the warm-up step, the
+    # default on a CPU (a cold join: it asks for its first snapshot before it computes
+    # anything).
     monkeypatch.setenv("FTSYSTEM_CATCHUP_PAUSE_S", "1")
     monkeypatch.setenv("FTSYSTEM_CATCHUP_TRIES", "2")
     monkeypatch.setenv("FTSYSTEM_CATCHUP_LOG_BYTES", str(_budget_for_one_step()))

@@ -9,7 +9,9 @@ from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 
-def test_a_killed_rank_restarts_its_replica_which_catches_up_shard_by_shard(tmp_path):
+def test_a_killed_rank_restarts_its_replica_which_catches_up_shard_by_shard(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setenv("FTSYSTEM_WARM_UP", "1")  # the GPU's default, asked for on the CPU
     # --kill-at hits the last rank of a replica only: rank 1 of r1 dies at step 15, the agent
     # takes down rank 0 and restarts both. Later a failed all-reduce on one rank of r0 makes
     # the replica's vote fail: neither of its shards may commit that step.

@@ -15,9 +15,10 @@ precede the joiner's by a fraction of a millisecond.
 
 - ``ftsystem``: a warm-up step of the loop, thrown away, while the donor's snapshot arrives,
   then non-blocking catch-up (that snapshot loaded, the donor's update log replayed), then a
-  join epoch;
-- ``cold-join``: the same without the warm-up step (``FTSYSTEM_WARM_UP=0``): the joiner's first
-  forward and backward run in a cold process after it joined, while the members wait;
+  join epoch (``FTSYSTEM_WARM_UP=1``, the default where the model is on a GPU);
+- ``cold-join``: the same without the warm-up step (``FTSYSTEM_WARM_UP=0``, the default on a
+  CPU): the joiner's first forward and backward run in a cold process after it joined, while
+  the members wait;
 - ``blocking``: a join without catch-up: the whole state is broadcast inside the join epoch;
 - ``torchft``: torchft 0.2.0 healing inside a quorum step.
 

@@ -160,7 +160,8 @@ class Rejoin:
 
 
 def _rejoin(path: Path) -> Rejoin:
-    """ftsystem's figures at the largest model size in ``bench rejoin`` (closest to a real job):
+    """ftsystem's figures at the largest model size in ``bench rejoin`` (closest to a real job;
+    ``ftsystem`` is the joiner with the warm-up step, the default on the GPUs simulated):
     ``sizes[i].ftsystem.time_to_join_s`` and ``.join_stall_s`` (each a number or a figure of
     several rounds), and ``.join_step_stall_s`` if present."""
     option = "--rejoin-json"

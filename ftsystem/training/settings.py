@@ -83,7 +83,8 @@ class ReplicaSettings:
     overlap: bool | None = None
     """None: decided from the gradients' size and device."""
     bucket_bytes: int = DEFAULT_BUCKET_CAP_BYTES
-    warm_up: bool = True
+    warm_up: bool | None = None
+    """None: on where the model is on a GPU (see ``FTReplica``'s ``warm_up``)."""
     catchup_pause_s: float = 0.0
     catchup_tries: int = DEFAULT_CATCHUP_TRIES
     checkpoint: CheckpointSettings | None = None
@@ -110,7 +111,7 @@ class ReplicaSettings:
             blocking_catchup=mode == "blocking",
             overlap=None if overlap is None else overlap != "0",
             bucket_bytes=env_int(env, ENV_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES),
-            warm_up=env.get(ENV_WARM_UP, "1") != "0",
+            warm_up=None if env.get(ENV_WARM_UP) is None else env[ENV_WARM_UP] != "0",
             catchup_pause_s=env_seconds(env, ENV_CATCHUP_PAUSE),
             catchup_tries=env_int(env, ENV_CATCHUP_TRIES, DEFAULT_CATCHUP_TRIES),
             checkpoint=CheckpointSettings(directory, env_int(env, ENV_CHECKPOINT_EVERY, 100),
