@@ -126,11 +126,11 @@ def _served_state() -> dict:
 def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
     state, log = _served_state(), UpdateLog()
     snapshotter = Snapshotter(lambda: state)
-    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
+    access = StateAccess(key="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
                          assigned_donor=lambda rid: None)
     server = StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 12, timeout_s=10,
                          access=access)
-    member = HTTPTransport(10, Credentials("r1", "t"))
+    member = HTTPTransport(10, Credentials.of("r1", "t"))
     try:
         stop = threading.Event()
 
@@ -167,11 +167,11 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
 def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snapshot():
     state = _served_state()
     snapshotter = Snapshotter(lambda: state)
-    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
+    access = StateAccess(key="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
                          assigned_donor=lambda rid: None)
     server = StateServer("127.0.0.1", snapshotter, UpdateLog(), current_step=lambda: 12,
                          timeout_s=10, access=access)
-    member = HTTPTransport(10, Credentials("r1", "t"))
+    member = HTTPTransport(10, Credentials.of("r1", "t"))
     own = {("model", "w"): torch.zeros(1000, 300), ("model", "h"): torch.zeros(3)}
     layouts, destinations = [], {}
 
@@ -208,13 +208,13 @@ def test_the_session_ends_once_everyone_served_is_a_member(monkeypatch):
     monkeypatch.setenv("FTSYSTEM_CATCHUP_IDLE_S", "60")  # not by idleness
     members = ["r0", "r1"]
     log = UpdateLog()
-    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, tuple(members)),
+    access = StateAccess(key="t", donor="r0", epoch=lambda: (1, tuple(members)),
                          assigned_donor=lambda rid: "r0")
     server = StateServer("127.0.0.1", Snapshotter(lambda: {}), log, current_step=lambda: 3,
                          timeout_s=10, access=access)
     try:
         log.append(3, LoggedUpdate(torch.zeros(8), parent=GENESIS, chain=GENESIS))
-        assert HTTPTransport(10, Credentials("r2", "t")).fetch_log(server.address, 2)
+        assert HTTPTransport(10, Credentials.of("r2", "t")).fetch_log(server.address, 2)
         assert log.session_active
         time.sleep(2.5)  # two polls: r2 is still catching up
         assert log.session_active
