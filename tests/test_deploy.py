@@ -293,7 +293,10 @@ def test_compose_commands_are_ftsystem_commands(monkeypatch):
     started = check_command(argv, monkeypatch)
     # The controller advertises --advertise-address:--port to Prometheus: its service name.
     assert (started["etcd"], started["advertise_address"]) == (etcd_url, "controller")
-    assert started["bind"] == "0.0.0.0" and not started["insecure"]
+    assert not started["insecure"]
+    # Its own network's addresses, given explicitly (FTSYSTEM_BIND): the default is loopback.
+    assert started["bind"] == "127.0.0.1"
+    assert services["controller"]["environment"]["FTSYSTEM_BIND"] == "0.0.0.0"
     shards = {}
     for name, service in agent_services().items():
         argv = compose_argv(service)
@@ -900,6 +903,7 @@ def test_k8s_controller_command_is_an_ftsystem_command(monkeypatch):
     assert (started["instance_id"], started["advertise_address"]) == (
         POD_FIELDS["metadata.name"], POD_FIELDS["status.podIP"])
     assert started["port"] == container["ports"][0]["containerPort"]
+    assert started["bind"] == "0.0.0.0"  # the pod's IP and loopback, given explicitly
     from controller.auth import ENV_TOKEN_FILE
     token_file = Path(next(e["value"] for e in container["env"] if e["name"] == ENV_TOKEN_FILE))
     mount = next(m for m in container["volumeMounts"] if Path(m["mountPath"]) == token_file.parent)
