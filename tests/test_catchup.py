@@ -29,6 +29,7 @@ from ftsystem.training.state_access import Credentials, StateAccess
 from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.control.store import Store
+from ftsystem.control.tokens import state_key
 from ftsystem.example.workload import ModelConfig, TinyGPT, num_params
 from test_fault_tolerance import TRAIN_ARGS, assert_invariant, load_results
 
@@ -442,7 +443,8 @@ def test_a_dead_joiner_frees_the_donor(etcd, job_id, tmp_path, monkeypatch):
         wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
                  r["state"] == "catching_up", 120, "r1 to catch up")
         status_url = f"http://{_registration(etcd.url, job_id, 'r0')['state_addr']}/status"
-        auth = {"Authorization": f"Bearer {(tmp_path / 'api-token').read_text()}"}
+        # /status answers any replica's token; the run's token makes the state servers' key
+        auth = Credentials.of("r9", state_key((tmp_path / "api-token").read_text())).headers()
         wait_for(lambda: (s := _status(status_url, auth)) and s["snapshot_step"] >= 0, 30,
                  "r0 to serve a snapshot")
         os.kill(_registration(etcd.url, job_id, "r1")["pid"], signal.SIGKILL)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 import grpc
 
@@ -80,7 +80,7 @@ class ClientTls:
 
 
 def export_client_files(ca: Path | None, cert: Path | None, key: Path | None,
-                        env: os._Environ | dict = os.environ) -> None:
+                        env: MutableMapping[str, str] = os.environ) -> None:
     """Check the files of ``--etcd-ca``/``--etcd-cert``/``--etcd-key`` and put them in ``env``
     (absolute: a child may run elsewhere), where this process's clients and its children find
     them. Settings not given keep what ``env`` has."""

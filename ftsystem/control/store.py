@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import ssl
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -173,7 +174,7 @@ class Store:
                 return await op()
             except (*_TRANSIENT, asyncio.CancelledError) as e:
                 _reraise_real_cancellation(e)
-                if problem := tls_mismatch(str(e), self._endpoint()):
+                if problem := await tls_mismatch(str(e), self._endpoint()):
                     raise StoreTlsError(problem) from e
                 if loop.time() + delay > deadline:
                     raise StoreUnavailableError(
@@ -385,34 +386,53 @@ class Store:
                 log.warning("%s; still waiting", e)
 
 
-def tls_mismatch(details: str, endpoint: Endpoint) -> str | None:
-    """What to set when a connection failure (gRPC's ``details``) shows that the client's TLS
-    and etcd's do not fit; None for any other failure (etcd down, a network outage)."""
-    found = next((kind for kind, marks in _TLS_FAILURES.items()
-                  if any(mark in details for mark in marks)), None)
-    if endpoint.tls and found == "plain server":
-        return (f"etcd at {endpoint} does not speak TLS: write the endpoint "
-                f"http://{endpoint.host}:{endpoint.port}, or start etcd with certificates")
-    if endpoint.tls and found == "untrusted server":
+async def tls_mismatch(details: str, endpoint: Endpoint) -> str | None:
+    """What to set when a failed connection (gRPC's ``details``) shows that the client's TLS
+    and etcd's do not fit; None for any other failure (etcd down, a network outage).
+
+    gRPC names an untrusted server certificate, and reports etcd's refusal of the client's
+    certificate (an alert after the handshake) as corrupted data. One side speaking TLS to a
+    plain other ends in "Socket closed", as a connection cut by an outage does: a handshake of
+    our own then tells which it was.
+    """
+    if endpoint.tls and "CERTIFICATE_VERIFY_FAILED" in details:
         return (f"etcd's certificate at {endpoint} is not trusted ({details.strip()}): set "
                 f"{ENV_CA} to the CA that signed it, and reach etcd by a name or address "
                 "its certificate lists")
-    if endpoint.tls and found == "refused client":
-        return (f"etcd at {endpoint} refused this client's certificate, or requires one "
-                f"({details.strip()}): set {ENV_CERT} and {ENV_KEY} to a client certificate "
-                "signed by the CA etcd trusts (its --trusted-ca-file)")
-    if not endpoint.tls and found == "tls server":
-        return f"etcd at {endpoint} speaks TLS, not plain http: {WHAT_TO_SET}"
-    return None
+    if endpoint.tls and "TSI_DATA_CORRUPTED" in details:
+        return (f"etcd at {endpoint} refused this client's certificate, or requires one: set "
+                f"{ENV_CERT} and {ENV_KEY} to a client certificate signed by the CA etcd "
+                "trusts (its --trusted-ca-file)")
+    if "Socket closed" not in details or await speaks_tls(endpoint) is not (not endpoint.tls):
+        return None
+    if endpoint.tls:
+        return (f"etcd at {endpoint} does not speak TLS: write the endpoint "
+                f"http://{endpoint.host}:{endpoint.port}, or start etcd with certificates")
+    return f"etcd at {endpoint} speaks TLS, not plain http: {WHAT_TO_SET}"
 
 
-_TLS_FAILURES = {
-    "plain server": ("WRONG_VERSION_NUMBER",),
-    "untrusted server": ("CERTIFICATE_VERIFY_FAILED",),
-    "refused client": ("CERTIFICATE_REQUIRED", "BAD_CERTIFICATE", "UNKNOWN_CA"),
-    "tls server": ("http1.x server",),
-}
-"""gRPC's words, in a failed connection's details, for each way TLS settings mismatch."""
+async def speaks_tls(endpoint: Endpoint, timeout_s: float = 2.0) -> bool | None:
+    """Whether the server at ``endpoint`` answers a TLS handshake (an alert counts: it speaks
+    TLS); None when it cannot be asked (unreachable, no answer in time)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only asking
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+    except OSError:  # refused, unreachable, or timed out (TimeoutError)
+        return None
+    try:
+        async with asyncio.timeout(timeout_s):
+            await writer.start_tls(context)
+    except ssl.SSLError as e:
+        return "ALERT" in (e.reason or "")
+    except TimeoutError:
+        return None
+    except OSError:  # it hung up on the handshake
+        return False
+    finally:
+        writer.close()
+    return True
 
 
 class _TlsClient(aetcd.Client):
