@@ -19,7 +19,7 @@ from etcd_certs import Certs, make_certs
 from ftsystem.cli import app
 from ftsystem.control.etcd_server import EmbeddedEtcd
 from ftsystem.control.etcd_tls import ENV_NAMES, ClientTls, EtcdTlsError, ServerTls
-from ftsystem.control.store import Store, StoreTlsError
+from ftsystem.control.store import Store, StoreTlsError, parse_endpoints
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,8 @@ def test_certificate_settings_that_cannot_work_are_named_before_connecting(certs
     assert ClientTls.from_env({}) is None
     with pytest.raises(EtcdTlsError, match="plain http: write it https://127.0.0.1:2379"):
         Store("http://127.0.0.1:2379", tls=_tls(certs))
+    assert [(str(e), e.tls) for e in parse_endpoints("https://a:1,https://b:2/")] == [
+        ("https://a:1", True), ("https://b:2", True)]
     with pytest.raises(ValueError, match="mix http:// and https://"):
         Store("https://127.0.0.1:2379,http://127.0.0.2:2379")
     with pytest.raises(EtcdTlsError, match="--client-ca"):

@@ -72,8 +72,8 @@ def parse_endpoints(spec: str) -> list[Endpoint]:
         scheme, sep, hostport = item.rpartition("://")
         host, colon, port = hostport.rstrip("/").rpartition(":")
         if scheme not in ("", "http", "https") or not colon or not host or not port.isdigit():
-            raise ValueError(f"malformed etcd endpoint {item!r}: expected http://HOST:PORT or "
-                             "https://HOST:PORT, e.g. http://127.0.0.1:2379")
+            raise ValueError(f"malformed etcd endpoint {item!r}: expected host:port, e.g. "
+                             "http://127.0.0.1:2379 (https:// for TLS)")
         endpoints.append(Endpoint(host.strip("[]"), int(port), tls=scheme == "https"))
     if not endpoints:
         raise ValueError("no etcd endpoint given: pass --etcd http://HOST:PORT")
