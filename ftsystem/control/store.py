@@ -403,12 +403,15 @@ async def tls_mismatch(details: str, endpoint: Endpoint) -> str | None:
         return (f"etcd at {endpoint} refused this client's certificate, or requires one: set "
                 f"{ENV_CERT} and {ENV_KEY} to a client certificate signed by the CA etcd "
                 "trusts (its --trusted-ca-file)")
-    if "Socket closed" not in details or await speaks_tls(endpoint) is not (not endpoint.tls):
+    if "Socket closed" not in details:
         return None
-    if endpoint.tls:
+    speaks = await speaks_tls(endpoint)  # None: it cannot be asked, e.g. it is down
+    if endpoint.tls and speaks is False:
         return (f"etcd at {endpoint} does not speak TLS: write the endpoint "
                 f"http://{endpoint.host}:{endpoint.port}, or start etcd with certificates")
-    return f"etcd at {endpoint} speaks TLS, not plain http: {WHAT_TO_SET}"
+    if not endpoint.tls and speaks is True:
+        return f"etcd at {endpoint} speaks TLS, not plain http: {WHAT_TO_SET}"
+    return None
 
 
 async def speaks_tls(endpoint: Endpoint, timeout_s: float = 2.0) -> bool | None:
