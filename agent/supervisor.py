@@ -54,7 +54,8 @@ from ftsystem.chaos.faults import FaultPoint, format_fault_points
 from ftsystem.control.membership import Registration, ReplicaState
 from ftsystem.launch.procs import die_with_parent, signal_group
 from ftsystem.control.store import LeaseLostError, Store, StoreUnavailableError
-from ftsystem.control.tokens import ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError, load_token
+from ftsystem.control.tokens import (ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError, load_token,
+                                     state_key)
 from ftsystem.control.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class AgentConfig:
     insecure: bool = False
     """Run the ranks without the job's token (``--insecure``): their state servers then hand
     the weights to anyone who reaches them. Without it the agent needs ``FTSYSTEM_API_TOKEN``
-    (or ``FTSYSTEM_API_TOKEN_FILE``) and hands the token to its ranks."""
+    (or ``FTSYSTEM_API_TOKEN_FILE``) and hands its ranks the state key derived from it."""
 
     @property
     def layout(self) -> Layout:
@@ -561,7 +562,7 @@ class Agent:
     async def _spawn(self, generation: Generation) -> list[Path]:
         heartbeats = []
         self.children = []
-        inherited = {k: v for k, v in os.environ.items() if k not in JOB_TOKEN_VARIABLES}
+        inherited = {k: v for k, v in os.environ.items() if k not in RANK_SECRET_VARIABLES}
         base = inherited | self.token_env | replica_env(self.spec, self.cfg.replica_id) | \
             rank_settings_env(self.spec, self.timeouts.timeout_s) | {
             runtime.ENV_ETCD: self.cfg.etcd, runtime.ENV_JOB: self.cfg.job,
@@ -711,18 +712,21 @@ def parse_gpus(text: str) -> list[str]:
     return gpus
 
 
-JOB_TOKEN_VARIABLES = (runtime.ENV_JOB_TOKEN, runtime.ENV_INSECURE)
-"""Set for the ranks by the agent alone: never inherited from the agent's own environment."""
+RANK_SECRET_VARIABLES = (runtime.ENV_STATE_KEY, runtime.ENV_INSECURE, ENV_TOKEN,
+                         ENV_TOKEN_FILE)
+"""Never inherited from the agent's own environment: the ranks get the state servers' key (or
+the insecure mark) from the agent alone, and never the job's token, which opens the API."""
 
 
 def job_token_env(token: str | None, *, insecure: bool) -> dict[str, str]:
-    """What the ranks learn of the job's token (pure): their state servers require it and their
-    fetches send it. Closed by default: no token and no ``--insecure`` is refused."""
+    """What the ranks learn of the job's token (pure): the state servers' key derived from it,
+    from which each replica's token follows. Closed by default: no token and no
+    ``--insecure`` is refused."""
     if token is not None:
         if insecure:
             log.warning("--insecure has no effect: the job's token is set, and the ranks' state "
-                        "servers require it")
-        return {runtime.ENV_JOB_TOKEN: token}
+                        "servers require replica tokens made from it")
+        return {runtime.ENV_STATE_KEY: state_key(token)}
     if not insecure:
         raise AuthConfigError(
             f"no job token: set {ENV_TOKEN} (or {ENV_TOKEN_FILE} to a file holding it) to the "

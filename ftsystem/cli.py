@@ -41,9 +41,16 @@ def _importable(name: str) -> bool:
         return False
 
 
-ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379)"
+ETCD_HELP = "etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379, https:// for TLS)"
 # The names the ranks already read (ftsystem.training.runtime.ENV_ETCD, ENV_JOB): one setting for all.
 ENV_ETCD, ENV_JOB = "FTSYSTEM_ETCD", "FTSYSTEM_JOB"
+# etcd over TLS (ftsystem.control.etcd_tls): what every process reads, and its children inherit.
+ETCD_CA = typer.Option(None, "--etcd-ca", envvar="FTSYSTEM_ETCD_CA", help="PEM file of the CA "
+                       "that signed etcd's certificate (https:// endpoints)")
+ETCD_CERT = typer.Option(None, "--etcd-cert", envvar="FTSYSTEM_ETCD_CERT", help="PEM file of "
+                         "the client certificate etcd requires (--client-cert-auth)")
+ETCD_KEY = typer.Option(None, "--etcd-key", envvar="FTSYSTEM_ETCD_KEY",
+                        help="PEM file of the client certificate's private key")
 ADVERTISE_HELP = ("address peers and Prometheus reach this process at (default: "
                   "$POD_IP on Kubernetes, else this host's routable address)")
 
@@ -70,6 +77,16 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def _etcd_tls(ca: Optional[Path], cert: Optional[Path], key: Optional[Path]) -> None:
+    """Check the client's etcd certificates and set them for this process's clients and its
+    children (controllers, agents, ranks)."""
+    from ftsystem.control.etcd_tls import EtcdTlsError, export_client_files
+    try:
+        export_client_files(ca, cert, key)
+    except EtcdTlsError as e:
+        raise typer.BadParameter(str(e), param_hint="--etcd-ca/--etcd-cert/--etcd-key") from e
+
+
 def _timeouts(timeout_s: float):
     from ftsystem.control.timeouts import TimeoutConfigError, Timeouts
     try:
@@ -88,14 +105,31 @@ def _check_id(kind: str, value: str) -> str:
 
 @app.command()
 def etcd(data_dir: Optional[Path] = typer.Option(None, help="data directory (default: a temp dir)"),
-         port: int = typer.Option(2379, help="client port")) -> None:
-    """Run a single-node etcd on loopback until stopped (Ctrl-C)."""
+         port: int = typer.Option(2379, help="client port"),
+         host: str = typer.Option("127.0.0.1", help="the address clients reach it at: it "
+                                  "listens there and on loopback, never on every address"),
+         cert: Optional[Path] = typer.Option(None, help="PEM certificate of this etcd (valid "
+                                             "for --host): serve https:// only"),
+         key: Optional[Path] = typer.Option(None, help="PEM private key of --cert"),
+         client_ca: Optional[Path] = typer.Option(None, help="PEM CA whose client "
+                                                  "certificates it accepts (no others)")) -> None:
+    """Run a single-node etcd until stopped (Ctrl-C), on loopback (and --host); with --cert,
+    --key and --client-ca it serves TLS to clients with a certificate of that CA."""
     import signal
     from ftsystem.control.etcd_server import EmbeddedEtcd, EtcdNotInstalledError, EtcdStartError
+    from ftsystem.control.etcd_tls import EtcdTlsError, ServerTls
+    given = [v is not None for v in (cert, key, client_ca)]
+    if any(given) and not all(given):
+        raise typer.BadParameter("TLS needs all three: --cert and --key (this etcd's) and "
+                                 "--client-ca (whose clients it serves)", param_hint="--cert")
+    try:
+        tls = ServerTls(cert=cert, key=key, client_ca=client_ca) if all(given) else None
+    except EtcdTlsError as e:
+        raise typer.BadParameter(str(e), param_hint="--cert/--key/--client-ca") from e
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # delivered to sigwait below
     try:
-        server = EmbeddedEtcd(data_dir=data_dir, port=port).start()
+        server = EmbeddedEtcd(data_dir=data_dir, port=port, host=host, tls=tls).start()
     except (EtcdNotInstalledError, EtcdStartError) as e:
         raise _fail(str(e))
     typer.echo(f"etcd serving at {server.url} (data in {server.data_dir})", err=True)
@@ -110,8 +144,9 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
                job: str = typer.Option(..., envvar=ENV_JOB,
                                        help="the job this controller manages"),
                port: int = typer.Option(8080, help="REST API port"),
-               bind: str = typer.Option("0.0.0.0", envvar="FTSYSTEM_BIND",
-                                        help="address to listen on"),
+               bind: str = typer.Option("127.0.0.1", envvar="FTSYSTEM_BIND",
+                                        help="address to listen on: loopback unless given "
+                                             "(a pod's or container's: 0.0.0.0)"),
                advertise_address: Optional[str] = typer.Option(
                    None, envvar="FTSYSTEM_ADVERTISE_ADDRESS", help=ADVERTISE_HELP),
                host: Optional[str] = typer.Option(None, hidden=True,
@@ -120,8 +155,9 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
                                              "who reaches the port may POST (chaos)"),
                min_replicas: Optional[int] = typer.Option(
                    None, hidden=True, help="old: the job's spec sets it (ftsystem job create)"),
-               instance_id: Optional[str] = typer.Option(None, help="name in leader election")
-               ) -> None:
+               instance_id: Optional[str] = typer.Option(None, help="name in leader election"),
+               etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
+               etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Run a controller instance: leader election, membership epochs, REST API, /metrics.
     Mutating requests need FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), unless --insecure."""
     from controller.main import serve
@@ -130,6 +166,7 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
     _check_id("job", job)
     if instance_id is not None:
         _check_id("controller instance", instance_id)
+    _etcd_tls(etcd_ca, etcd_cert, etcd_key)
     try:
         parse_endpoints(etcd)
     except ValueError as e:
@@ -184,19 +221,21 @@ def agent(command: List[str] = typer.Argument(..., help="the replica's program, 
                                    "the node's GPUs and uses cuda:LOCAL_RANK"),
           insecure: bool = typer.Option(False, help="run the ranks without the job's token: "
                                         "their state servers hand the weights to anyone who "
-                                        "reaches them")
-          ) -> None:
+                                        "reaches them"),
+          etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
+          etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Supervise one node of a replica: meet the replica's other agents, launch this node's
     ranks, restart the replica with them when any part of it fails.
 
-    Needs the job's token in FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), which it hands to
-    its ranks, unless --insecure."""
+    Needs the job's token in FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), unless
+    --insecure: its ranks get the state servers' key derived from it, never the token."""
     import os
     from agent.main import run_agent
     from agent.supervisor import AgentConfig, parse_gpus
     from ftsystem.chaos.faults import parse_fault_point
     _check_id("job", job)
     _check_id("replica", replica_id)
+    _etcd_tls(etcd_ca, etcd_cert, etcd_key)  # the ranks inherit them
     try:
         points = [parse_fault_point(p) for p in kill_at]
     except ValueError as e:
@@ -266,12 +305,14 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
                                              "in OUT/checkpoints, for a whole-job restart"),
         mtbf: Optional[str] = typer.Option(None, help="kill a random replica with this mean "
                                                       "time between failures, e.g. 30s"),
-        ) -> None:
+        etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
+        etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Run a fault-tolerant training job here, inject failures, and report."""
     from ftsystem.launch.launcher import RunConfig, parse_replica_kill, run_job
     from ftsystem.measure.report import print_table, write_json
     _check_id("job", job)
     _timeouts(timeout)
+    _etcd_tls(etcd_ca, etcd_cert, etcd_key)  # for the --etcd given: the embedded one is plain
     if min_replicas > replicas:
         raise typer.BadParameter(f"{min_replicas} > --replicas {replicas}",
                                  param_hint="--min-replicas")
@@ -332,7 +373,9 @@ def failure_rows(failures: List[dict]) -> List[tuple]:
 @chaos_app.command("apply")
 def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or JSON"),
                 etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
-                job: str = typer.Option(..., envvar=ENV_JOB, help="job id")) -> None:
+                job: str = typer.Option(..., envvar=ENV_JOB, help="job id"),
+                etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
+                etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Validate chaos specs (one or several YAML documents) and store their orders directly in
     etcd. This bypasses the controller's API and its token: it needs etcd credentials. The
     validation and the rate limit (FTSYSTEM_CHAOS_RATE) are the API's. Through the API: POST
@@ -343,6 +386,7 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
     from ftsystem.chaos.spec import ChaosSpecError, parse_specs, submit
     from ftsystem.control.store import Store, StoreError
     _check_id("job", job)
+    _etcd_tls(etcd_ca, etcd_cert, etcd_key)
     try:
         limit, window_s = chaos_rate.configured_rate()
     except ValueError as e:
@@ -362,7 +406,7 @@ def chaos_apply(spec_file: Path = typer.Argument(..., help="chaos spec, YAML or 
                                 now=time.time())
     try:
         orders = asyncio.run(store_orders())
-    except (StoreError, ChaosSpecError, chaos_rate.ChaosRateError) as e:
+    except (StoreError, ValueError, chaos_rate.ChaosRateError) as e:  # ValueError: specs, TLS
         raise _fail(f"{e}; nothing was stored")
     for order in orders:
         typer.echo(f"{order.id}\t{order.action}\t{order.replica}\tat {order.at:.1f}")

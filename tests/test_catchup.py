@@ -29,6 +29,7 @@ from ftsystem.training.state_access import Credentials, StateAccess
 from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.control.store import Store
+from ftsystem.control.tokens import state_key
 from ftsystem.example.workload import ModelConfig, TinyGPT, num_params
 from test_fault_tolerance import TRAIN_ARGS, assert_invariant, load_results
 
@@ -157,11 +158,11 @@ def _served_state() -> dict:
 def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
     state, log = _served_state(), UpdateLog()
     snapshotter = Snapshotter(lambda: state)
-    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
+    access = StateAccess(key="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
                          assigned_donor=lambda rid: None)
     server = StateServer("127.0.0.1", snapshotter, log, current_step=lambda: 12, timeout_s=10,
                          access=access)
-    member = HTTPTransport(10, Credentials("r1", "t"))
+    member = HTTPTransport(10, Credentials.of("r1", "t"))
     try:
         stop = threading.Event()
 
@@ -198,11 +199,11 @@ def test_snapshot_and_log_arrive_bitwise_over_a_real_socket():
 def test_a_joiner_allocates_what_it_lacks_from_the_donors_layout_before_the_snapshot():
     state = _served_state()
     snapshotter = Snapshotter(lambda: state)
-    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
+    access = StateAccess(key="t", donor="r0", epoch=lambda: (1, ("r0", "r1")),
                          assigned_donor=lambda rid: None)
     server = StateServer("127.0.0.1", snapshotter, UpdateLog(), current_step=lambda: 12,
                          timeout_s=10, access=access)
-    member = HTTPTransport(10, Credentials("r1", "t"))
+    member = HTTPTransport(10, Credentials.of("r1", "t"))
     own = {("model", "w"): torch.zeros(1000, 300), ("model", "h"): torch.zeros(3)}
     layouts, destinations = [], {}
 
@@ -239,13 +240,13 @@ def test_the_session_ends_once_everyone_served_is_a_member(monkeypatch):
     monkeypatch.setenv("FTSYSTEM_CATCHUP_IDLE_S", "60")  # not by idleness
     members = ["r0", "r1"]
     log = UpdateLog()
-    access = StateAccess(token="t", donor="r0", epoch=lambda: (1, tuple(members)),
+    access = StateAccess(key="t", donor="r0", epoch=lambda: (1, tuple(members)),
                          assigned_donor=lambda rid: "r0")
     server = StateServer("127.0.0.1", Snapshotter(lambda: {}), log, current_step=lambda: 3,
                          timeout_s=10, access=access)
     try:
         log.append(3, LoggedUpdate(torch.zeros(8), parent=GENESIS, chain=GENESIS))
-        assert HTTPTransport(10, Credentials("r2", "t")).fetch_log(server.address, 2)
+        assert HTTPTransport(10, Credentials.of("r2", "t")).fetch_log(server.address, 2)
         assert log.session_active
         time.sleep(2.5)  # two polls: r2 is still catching up
         assert log.session_active
@@ -475,7 +476,8 @@ def test_a_dead_joiner_frees_the_donor(etcd, job_id, tmp_path, monkeypatch):
         wait_for(lambda: (r := _registration(etcd.url, job_id, "r1")) and
                  r["state"] == "catching_up", 120, "r1 to catch up")
         status_url = f"http://{_registration(etcd.url, job_id, 'r0')['state_addr']}/status"
-        auth = {"Authorization": f"Bearer {(tmp_path / 'api-token').read_text()}"}
+        # /status answers any replica's token; the run's token makes the state servers' key
+        auth = Credentials.of("r9", state_key((tmp_path / "api-token").read_text())).headers()
         wait_for(lambda: (s := _status(status_url, auth)) and s["snapshot_step"] >= 0, 30,
                  "r0 to serve a snapshot")
         os.kill(_registration(etcd.url, job_id, "r1")["pid"], signal.SIGKILL)

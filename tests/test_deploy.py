@@ -293,7 +293,10 @@ def test_compose_commands_are_ftsystem_commands(monkeypatch):
     started = check_command(argv, monkeypatch)
     # The controller advertises --advertise-address:--port to Prometheus: its service name.
     assert (started["etcd"], started["advertise_address"]) == (etcd_url, "controller")
-    assert started["bind"] == "0.0.0.0" and not started["insecure"]
+    assert not started["insecure"]
+    # Its own network's addresses, given explicitly (FTSYSTEM_BIND): the default is loopback.
+    assert started["bind"] == "127.0.0.1"
+    assert services["controller"]["environment"]["FTSYSTEM_BIND"] == "0.0.0.0"
     shards = {}
     for name, service in agent_services().items():
         argv = compose_argv(service)
@@ -383,10 +386,9 @@ def test_compose_agents_have_shared_memory_a_stop_grace_and_a_gpu_stanza():
 def test_compose_controller_requires_an_api_token():
     from controller.auth import ENV_TOKEN, ENV_TOKEN_FILE
     environment = compose()["services"]["controller"]["environment"]
-    assert set(environment) <= {ENV_TOKEN, ENV_TOKEN_FILE}
+    assert set(environment) <= {ENV_TOKEN, ENV_TOKEN_FILE, "FTSYSTEM_BIND"}
     with pytest.raises(AssertionError, match="refuses to start"):
-        for value in environment.values():
-            interpolate(value, {})
+        interpolate(environment[ENV_TOKEN], {})
 
 
 def test_prometheus_config_discovers_through_the_controller():
@@ -900,6 +902,7 @@ def test_k8s_controller_command_is_an_ftsystem_command(monkeypatch):
     assert (started["instance_id"], started["advertise_address"]) == (
         POD_FIELDS["metadata.name"], POD_FIELDS["status.podIP"])
     assert started["port"] == container["ports"][0]["containerPort"]
+    assert started["bind"] == "0.0.0.0"  # the pod's IP and loopback, given explicitly
     from controller.auth import ENV_TOKEN_FILE
     token_file = Path(next(e["value"] for e in container["env"] if e["name"] == ENV_TOKEN_FILE))
     mount = next(m for m in container["volumeMounts"] if Path(m["mountPath"]) == token_file.parent)

@@ -1,8 +1,10 @@
-"""The state servers are closed by default: the job's token, then members and assigned joiners.
+"""The state servers are closed by default: the fetching replica's own token, then members and
+assigned joiners.
 
 A real ``StateServer`` over a real socket, gated by a real control plane on a real etcd; the
-agent's side of the contract (refuse without a token unless ``--insecure``, hand it to the
-ranks) with real agent processes; and every deployment file handing the token down.
+agent's side of the contract (refuse without a token unless ``--insecure``, hand the ranks the
+key derived from it, never the token) with real agent processes; and every deployment file
+handing the token down.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ftsystem.cli import app
 from ftsystem.control import keys
 from ftsystem.control.membership import Epoch
 from ftsystem.control.store import Store
-from ftsystem.control.tokens import AuthConfigError, load_token
+from ftsystem.control.tokens import AuthConfigError, load_token, replica_token, state_key
 from ftsystem.training.fingerprint import GENESIS
 from ftsystem.training.http_transport import HTTPTransport, StateServer
 from ftsystem.training.runtime import ControlPlane, ReplicaContext
@@ -37,13 +39,14 @@ from ftsystem.training.update_log import LoggedUpdate, UpdateLog
 from test_deploy import agent_services, compose, fake_slurm, interpolate, k8s, run_sbatch
 
 TOKEN = "job-secret-0123456789"
+KEY = state_key(TOKEN)
 
 
 def _context(job: str, etcd_url: str = "", **changes) -> ReplicaContext:
     return ReplicaContext(**{"etcd": etcd_url, "job": job, "replica_id": "r0", "generation": 0,
                              "lease_id": 0, "heartbeat_path": "", "host": "127.0.0.1",
                              "rank": 0, "world_size": 1, "timeout_s": 10.0,
-                             "job_token": TOKEN} | changes)
+                             "state_key": KEY} | changes)
 
 
 async def _put(etcd_url: str, items: dict[str, str]) -> None:
@@ -75,22 +78,32 @@ def test_only_token_holders_that_are_members_or_assigned_joiners_get_state(etcd,
     server = _donor(access)
     url = f"http://{server.address}"
     try:
-        assert own == Credentials("r0", TOKEN)
-        # 401 without the token or with a wrong one, on every route; never a byte of state
+        assert own == Credentials("r0", replica_token(KEY, "r0"))
+        # 401 without the named replica's token, on every route; never a byte of state. The
+        # job's token and the key are no replica's token, and a replica's token proves only
+        # that replica: a joiner's (r2's) does not fetch as the member r1.
+        r1, r2 = replica_token(KEY, "r1"), replica_token(KEY, "r2")
         for headers in ({}, {HEADER_REPLICA: "r1"},
                         {HEADER_REPLICA: "r1", "Authorization": "Bearer wrong"},
-                        {HEADER_REPLICA: "r1", "Authorization": TOKEN}):
+                        {HEADER_REPLICA: "r1", "Authorization": r1},
+                        {HEADER_REPLICA: "r1", "Authorization": f"Bearer {TOKEN}"},
+                        {HEADER_REPLICA: "r1", "Authorization": f"Bearer {KEY}"},
+                        {HEADER_REPLICA: "r1", "Authorization": f"Bearer {r2}"},
+                        {"Authorization": f"Bearer {r1}"}):
             for path in ("/snapshot", "/log?after=4", "/status"):
                 answer = httpx.get(url + path, headers=headers)
                 assert answer.status_code == 401, (path, headers)
                 assert answer.headers["WWW-Authenticate"] == "Bearer"
-                assert "job token" in answer.text and TOKEN not in answer.text
+                assert "replica token" in answer.text and HEADER_REPLICA in answer.text
+                assert not any(secret in answer.text for secret in (TOKEN, KEY, r1, r2))
         with pytest.raises(DonorUnavailableError, match="401"):
             HTTPTransport(10, Credentials("r1", "wrong")).fetch_snapshot(server.address)
+        with pytest.raises(DonorUnavailableError, match="401"):
+            HTTPTransport(10, Credentials("r1", r2)).fetch_snapshot(server.address)
 
         # 200 for a member, and for a joiner the leader assigned to this donor
-        member = HTTPTransport(10, Credentials("r1", TOKEN))
-        joiner = HTTPTransport(10, Credentials("r2", TOKEN))
+        member = HTTPTransport(10, Credentials.of("r1", KEY))
+        joiner = HTTPTransport(10, Credentials.of("r2", KEY))
         snapshot = member.fetch_snapshot(server.address)
         assert snapshot.step == 5 and torch.equal(snapshot.state["model"]["w"], torch.arange(6.0))
         assert joiner.fetch_snapshot(server.address).step == 5
@@ -101,17 +114,15 @@ def test_only_token_holders_that_are_members_or_assigned_joiners_get_state(etcd,
         # 403 for a replica that is neither, one assigned to another donor, or one unnamed
         for stranger in ("r9", "r3", "../r0"):
             with pytest.raises(DonorUnavailableError, match="403.*neither a member of epoch 3"):
-                HTTPTransport(10, Credentials(stranger, TOKEN)).fetch_log(server.address, 4)
-        unnamed = httpx.get(url + "/snapshot", headers={"Authorization": f"Bearer {TOKEN}"})
-        assert unnamed.status_code == 403 and HEADER_REPLICA in unnamed.text
-        # /status needs the token only (steps and byte counts, no state)
-        status = httpx.get(url + "/status", headers=Credentials("r9", TOKEN).headers())
+                HTTPTransport(10, Credentials.of(stranger, KEY)).fetch_log(server.address, 4)
+        # /status needs a valid token only (steps and byte counts, no state)
+        status = httpx.get(url + "/status", headers=Credentials.of("r9", KEY).headers())
         assert status.status_code == 200 and status.json()["step"] == 5
 
         # a replica let into a newer epoch is served as soon as the donor sees that epoch
         asyncio.run(_put(etcd.url, {
             keys.epoch(job_id): Epoch(number=4, members=("r0", "r1", "r9")).to_json()}))
-        wait_for(lambda: _served(server.address, Credentials("r9", TOKEN)), 10,
+        wait_for(lambda: _served(server.address, Credentials.of("r9", KEY)), 10,
                  "the donor to follow epoch 4")
     finally:
         server.shutdown()
@@ -131,7 +142,7 @@ def test_the_assignment_is_read_only_for_non_members_and_a_grant_lasts_the_sessi
     def assigned_donor(replica: str) -> str | None:
         reads.append(replica)
         return assignments.get(replica)
-    access = StateAccess(token=TOKEN, donor="r0", epoch=lambda: (7, ("r0", "r1")),
+    access = StateAccess(key=KEY, donor="r0", epoch=lambda: (7, ("r0", "r1")),
                          assigned_donor=assigned_donor, clock=lambda: now[0])
     assert access.authorize({HEADER_REPLICA: "r1"}) is None and reads == []
     assert access.authorize({HEADER_REPLICA: "r2"}) is None and reads == ["r2"]
@@ -148,34 +159,37 @@ def test_the_assignment_is_read_only_for_non_members_and_a_grant_lasts_the_sessi
 
 
 def test_insecure_serves_without_a_token_but_still_only_members():
-    access = StateAccess(token=None, donor="r0", epoch=lambda: (1, ("r0", "r1")),
+    access = StateAccess(key=None, donor="r0", epoch=lambda: (1, ("r0", "r1")),
                          assigned_donor=lambda r: None)
     assert access.authenticate({}) is None
     assert access.authorize({HEADER_REPLICA: "r1"}) is None
     assert access.authorize({HEADER_REPLICA: "r7"}).status == 403
-    assert Credentials("r1").headers() == {HEADER_REPLICA: "r1"}  # sends no Authorization
+    assert Credentials.of("r1", "").headers() == {HEADER_REPLICA: "r1"}  # no Authorization
 
 
 def test_a_rank_without_a_token_refuses_to_serve_unless_its_agent_was_insecure():
     with pytest.raises(StateAccessError) as refused:
-        replica_access(_context("j", job_token=""), control=None)
+        replica_access(_context("j", state_key=""), control=None)
     message = str(refused.value)
-    assert "FTSYSTEM_JOB_TOKEN" in message and "FTSYSTEM_API_TOKEN" in message
+    assert "FTSYSTEM_STATE_KEY" in message and "FTSYSTEM_API_TOKEN" in message
     assert "--insecure" in message
-    access, credentials = replica_access(_context("j", job_token="", insecure=True),
+    access, credentials = replica_access(_context("j", state_key="", insecure=True),
                                          control=None)
     assert access.authenticate({}) is None and credentials == Credentials("r0")
     env = {"FTSYSTEM_ETCD": "http://e:1", "FTSYSTEM_JOB": "j", "FTSYSTEM_REPLICA_ID": "r0",
            "FTSYSTEM_LEASE_ID": "1"}
-    ctx = ReplicaContext.from_env(env | {"FTSYSTEM_JOB_TOKEN": TOKEN})
-    assert (ctx.job_token, ctx.insecure) == (TOKEN, False) and TOKEN not in repr(ctx)
+    ctx = ReplicaContext.from_env(env | {"FTSYSTEM_STATE_KEY": KEY})
+    assert (ctx.state_key, ctx.insecure) == (KEY, False) and KEY not in repr(ctx)
     assert ReplicaContext.from_env(env | {"FTSYSTEM_INSECURE": "1"}).insecure
-    assert TOKEN not in repr(Credentials("r0", TOKEN))
+    assert KEY not in repr(Credentials("r0", KEY))
 
 
-def test_the_agent_hands_the_token_down_or_refuses(tmp_path):
-    assert job_token_env(TOKEN, insecure=False) == {"FTSYSTEM_JOB_TOKEN": TOKEN}
-    assert job_token_env(TOKEN, insecure=True) == {"FTSYSTEM_JOB_TOKEN": TOKEN}
+def test_the_agent_hands_down_the_key_from_the_token_or_refuses(tmp_path):
+    assert job_token_env(TOKEN, insecure=False) == {"FTSYSTEM_STATE_KEY": KEY}
+    assert job_token_env(TOKEN, insecure=True) == {"FTSYSTEM_STATE_KEY": KEY}
+    assert KEY != TOKEN and state_key("another job") != KEY
+    # per replica, and not the same as the key or the token
+    assert len({replica_token(KEY, r) for r in ("r0", "r1", "r10")} | {KEY, TOKEN}) == 5
     assert job_token_env(None, insecure=True) == {"FTSYSTEM_INSECURE": "1"}
     with pytest.raises(AuthConfigError, match="FTSYSTEM_API_TOKEN.*--insecure"):
         job_token_env(None, insecure=False)
@@ -198,28 +212,33 @@ def test_ftsystem_agent_refuses_without_a_token_and_starts_with_insecure(monkeyp
     assert result.exit_code == 2 and "etcd unreachable" in result.output
 
 
+RANK_SECRETS = ("FTSYSTEM_STATE_KEY", "FTSYSTEM_INSECURE", "FTSYSTEM_API_TOKEN",
+                "FTSYSTEM_API_TOKEN_FILE")
 RECORD_ENV = ("import json, os, sys; json.dump({k: os.environ.get(k) for k in "
-              "('FTSYSTEM_JOB_TOKEN', 'FTSYSTEM_INSECURE')}, open(sys.argv[1], 'w'))")
+              f"{RANK_SECRETS!r}}}, open(sys.argv[1], 'w'))")
 
 
 @pytest.mark.parametrize("insecure", [False, True])
-def test_a_real_agent_gives_its_ranks_the_token_or_the_insecure_mark(etcd, job_id, tmp_path,
-                                                                     insecure):
+def test_a_real_agent_gives_its_ranks_the_key_or_the_insecure_mark(etcd, job_id, tmp_path,
+                                                                   insecure):
     seen = tmp_path / "env.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTSYSTEM_API_TOKEN")}
     # what the agent's own environment says of the ranks' variables is never passed on
-    env |= {"FTSYSTEM_INSECURE": "1", "FTSYSTEM_JOB_TOKEN": "stale"}
-    env |= {} if insecure else {"FTSYSTEM_API_TOKEN": TOKEN}
+    env |= {"FTSYSTEM_INSECURE": "1", "FTSYSTEM_STATE_KEY": "stale"}
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    env |= {} if insecure else {"FTSYSTEM_API_TOKEN_FILE": str(token_file)}
     agent = subprocess.run(
         [sys.executable, "-m", "ftsystem.cli", "agent", "--etcd", etcd.url, "--job", job_id,
          "--replica-id", "r0", *(["--insecure"] if insecure else []), "--",
          sys.executable, "-c", RECORD_ENV, str(seen)],
         env=env, capture_output=True, text=True, timeout=120)
     assert agent.returncode == 0, agent.stderr[-2000:]
-    expected = {"FTSYSTEM_JOB_TOKEN": None, "FTSYSTEM_INSECURE": "1"} if insecure else \
-        {"FTSYSTEM_JOB_TOKEN": TOKEN, "FTSYSTEM_INSECURE": None}
+    # the job's token (here its file) never reaches a rank: it opens the controllers' API
+    expected = dict.fromkeys(RANK_SECRETS) | (
+        {"FTSYSTEM_INSECURE": "1"} if insecure else {"FTSYSTEM_STATE_KEY": KEY})
     assert json.loads(seen.read_text()) == expected
-    assert TOKEN not in agent.stderr + agent.stdout  # never logged
+    assert not any(s in agent.stderr + agent.stdout for s in (TOKEN, KEY))  # never logged
 
 
 # --- deployments hand the token down ------------------------------------------------------

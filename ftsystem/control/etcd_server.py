@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftsystem.control.etcd_tls import ServerTls
 from ftsystem.launch.procs import die_with_parent, wait_listening
 
 ETCD_BIN_ENV = "FTSYSTEM_ETCD_BIN"
@@ -93,6 +94,9 @@ volume past it): beyond it etcd raises a NOSPACE alarm and refuses writes."""
 class EmbeddedEtcd:
     """An etcd on loopback (and ``host``), tuned for fast failure detection (short heartbeats).
 
+    It listens on 127.0.0.1 and on ``host`` only, never on every address: its clients and its
+    peers reach it at ``host``. With ``tls`` it serves https:// to clients that present a
+    certificate of ``tls.client_ca`` (and its peers likewise); without, plain http://.
     Alone it is a single-node etcd; :class:`EtcdCluster` makes several of them one cluster.
     """
 
@@ -109,15 +113,21 @@ class EmbeddedEtcd:
     """``name=peer-url,...`` of every member; empty: a cluster of this member alone."""
     compaction_retention: str = COMPACTION_RETENTION
     quota_bytes: int = QUOTA_BACKEND_BYTES
+    tls: ServerTls | None = None
+    """Certificates: serve TLS and require client certificates; None: plain http."""
     process: subprocess.Popen | None = field(default=None, init=False)
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"{self.scheme}://{self.host}:{self.peer_port}"
 
     def start(self, *, wait_s: float = 15.0) -> "EmbeddedEtcd":
         # A restart reuses the old port. No reconnecting client can hold it as a source port
@@ -142,7 +152,10 @@ class EmbeddedEtcd:
                                             stdout=subprocess.DEVNULL, stderr=log)
 
     def _command(self, binary: str) -> list[str]:
-        listen = ",".join(dict.fromkeys([f"http://127.0.0.1:{self.port}", self.url]))
+        if self.host in ("0.0.0.0", "::", ""):
+            raise EtcdStartError(f"host {self.host!r} would listen on every address: give the "
+                                 "one address clients and peers reach this etcd at")
+        listen = ",".join(dict.fromkeys([f"{self.scheme}://127.0.0.1:{self.port}", self.url]))
         return [binary, "--name", self.name, "--data-dir", str(self.data_dir),
                 "--listen-client-urls", listen, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", self.peer_url,
@@ -152,7 +165,7 @@ class EmbeddedEtcd:
                 "--auto-compaction-mode", "periodic",
                 "--auto-compaction-retention", self.compaction_retention,
                 "--quota-backend-bytes", str(self.quota_bytes),
-                "--log-level", "error"]
+                "--log-level", "error", *(self.tls.flags() if self.tls else [])]
 
     @property
     def log_path(self) -> Path:
@@ -193,6 +206,7 @@ class EtcdCluster:
     size: int = 3
     data_dir: Path
     host: str = "127.0.0.1"
+    tls: ServerTls | None = None
     members: list[EmbeddedEtcd] = field(default_factory=list, init=False)
 
     @property
@@ -202,7 +216,8 @@ class EtcdCluster:
 
     def start(self, *, wait_s: float = 20.0) -> "EtcdCluster":
         self.members = [EmbeddedEtcd(data_dir=Path(self.data_dir) / f"m{i}", name=f"m{i}",
-                                     host=self.host, port=free_port(), peer_port=free_port())
+                                     host=self.host, port=free_port(), peer_port=free_port(),
+                                     tls=self.tls)
                         for i in range(self.size)]
         cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         try:

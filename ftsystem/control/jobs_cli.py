@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import typer
 
-from ftsystem.cli import ENV_ETCD, ETCD_HELP, _check_id, _fail, app
+from ftsystem.cli import (ENV_ETCD, ETCD_CA, ETCD_CERT, ETCD_HELP, ETCD_KEY, _check_id,
+                          _etcd_tls, _fail, app)
 
 job_app = typer.Typer(no_args_is_help=True, help="Create, inspect and delete jobs (their spec "
                       "in etcd); the leader starts no epoch before a job is created.")
@@ -29,15 +30,18 @@ STATE_ERROR = 1
 command was well formed (usage errors exit 2)."""
 
 
-def _run(coro_fn, etcd: str) -> Any:
-    from ftsystem.control.store import Store, StoreError, parse_endpoints
+def _run(coro_fn, etcd: str, tls: tuple[Path | None, Path | None, Path | None]) -> Any:
+    """``coro_fn(store)`` on a store of ``etcd``, with the client certificates ``tls`` (CA,
+    certificate, key: ``--etcd-ca``, ``--etcd-cert``, ``--etcd-key``)."""
+    from ftsystem.control.store import Store, StoreError
+    _etcd_tls(*tls)
     try:
-        parse_endpoints(etcd)
-    except ValueError as e:
+        store = Store(etcd)
+    except ValueError as e:  # a malformed endpoint, certificates that cannot work
         raise typer.BadParameter(str(e), param_hint="--etcd") from e
 
     async def with_store():
-        async with Store(etcd) as store:
+        async with store:
             return await coro_fn(store)
     try:
         return asyncio.run(with_store())
@@ -101,7 +105,8 @@ def create(job: str = typer.Argument(..., help="job id"),
            exist_ok: bool = typer.Option(False, help="succeed if the job exists with this very "
                                          "spec (a deployment step run again); a different "
                                          "spec is still refused"),
-           etcd: str = ETCD) -> None:
+           etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
+           etcd_cert: Optional[Path] = ETCD_CERT, etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Create a job: store its spec. Refused if the job exists (delete it first)."""
     from ftsystem.control import jobs
     _check_id("job", job)
@@ -118,29 +123,33 @@ def create(job: str = typer.Argument(..., help="job id"),
     _note("POST")
     try:
         stored = _run(lambda store: jobs.create_job(store, job, spec, now=time.time(),
-                                                    exist_ok=exist_ok), etcd)
+                                                    exist_ok=exist_ok), etcd,
+                      (etcd_ca, etcd_cert, etcd_key))
     except jobs.JobExistsError as e:
         raise _refused(f"{e}; nothing was changed")
     typer.echo(json.dumps({"job": job, "spec": stored.to_json()}, indent=2))
 
 
 @job_app.command("get")
-def get(job: str = typer.Argument(..., help="job id"), etcd: str = ETCD) -> None:
+def get(job: str = typer.Argument(..., help="job id"), etcd: str = ETCD,
+        etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
+        etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Print the job's spec and whether agents or replicas run it (JSON)."""
     from ftsystem.control import jobs
     _check_id("job", job)
     try:
-        found = _run(lambda store: jobs.get_job(store, job), etcd)
+        found = _run(lambda store: jobs.get_job(store, job), etcd, (etcd_ca, etcd_cert, etcd_key))
     except jobs.JobNotFoundError as e:
         raise _refused(str(e))
     typer.echo(json.dumps(found, indent=2))
 
 
 @job_app.command("list")
-def list_(etcd: str = ETCD) -> None:
+def list_(etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
+          etcd_cert: Optional[Path] = ETCD_CERT, etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """One line per job with a spec: id, replicas, min replicas, nodes x ranks, created."""
     from ftsystem.control import jobs
-    for found in _run(jobs.list_jobs, etcd):
+    for found in _run(jobs.list_jobs, etcd, (etcd_ca, etcd_cert, etcd_key)):
         spec = found["spec"] or {}
         created = spec.get("created_at")
         typer.echo("\t".join(map(str, (
@@ -153,13 +162,15 @@ def list_(etcd: str = ETCD) -> None:
 def delete(job: str = typer.Argument(..., help="job id"),
            force: bool = typer.Option(False, help="delete even while agents or replicas are "
                                       "registered (they then fail)"),
-           etcd: str = ETCD) -> None:
+           etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
+           etcd_cert: Optional[Path] = ETCD_CERT, etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Delete every key of the job. Refused while it runs, unless --force."""
     from ftsystem.control import jobs
     _check_id("job", job)
     _note("DELETE")
     try:
-        _run(lambda store: jobs.delete_job(store, job, force=force), etcd)
+        _run(lambda store: jobs.delete_job(store, job, force=force), etcd,
+             (etcd_ca, etcd_cert, etcd_key))
     except (jobs.JobRunningError, jobs.JobNotFoundError) as e:
         raise _refused(f"{e}; nothing was changed")
     typer.echo(f"deleted job {job}")

@@ -14,12 +14,16 @@ import json
 import logging
 import os
 import random
+import ssl
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
 import aetcd.exceptions as etcd_errors
 import grpc
+
+from ftsystem.control.etcd_tls import (ENV_CA, ENV_CERT, ENV_KEY, ENV_NAMES, WHAT_TO_SET,
+                                       ClientTls, EtcdTlsError)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,28 +48,48 @@ class LeaseLostError(StoreError):
     """A lease expired or was revoked while its owner still needed it."""
 
 
+class StoreTlsError(StoreError):
+    """The client's and etcd's TLS do not fit (plain against TLS, a refused or missing
+    certificate): retrying cannot help, the message says what to set."""
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     host: str
     port: int
+    tls: bool = False
+    """``https://``: the client speaks TLS to it."""
 
     def __str__(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
 
 def parse_endpoints(spec: str) -> list[Endpoint]:
-    """Parse ``"http://h1:2379,h2:2379"`` (scheme optional) into endpoints."""
+    """Parse ``"https://h1:2379,https://h2:2379"`` into endpoints; no scheme means http://.
+    One cluster speaks one scheme: a mix is refused."""
     endpoints = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        hostport = item.split("://", 1)[-1].rstrip("/")
-        host, sep, port = hostport.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"malformed etcd endpoint {item!r}: expected host:port, "
-                             "e.g. http://127.0.0.1:2379")
-        endpoints.append(Endpoint(host.strip("[]"), int(port)))
+        scheme, sep, hostport = item.rpartition("://")
+        host, colon, port = hostport.rstrip("/").rpartition(":")
+        if scheme not in ("", "http", "https") or not colon or not host or not port.isdigit():
+            raise ValueError(f"malformed etcd endpoint {item!r}: expected host:port, e.g. "
+                             "http://127.0.0.1:2379 (https:// for TLS)")
+        endpoints.append(Endpoint(host.strip("[]"), int(port), tls=scheme == "https"))
     if not endpoints:
         raise ValueError("no etcd endpoint given: pass --etcd http://HOST:PORT")
+    if len({ep.tls for ep in endpoints}) > 1:
+        raise ValueError(f"etcd endpoints {spec!r} mix http:// and https://: the members of "
+                         "one cluster speak the same, give them all one scheme")
     return endpoints
+
+
+def check_tls_fits(endpoints: list[Endpoint], tls: ClientTls | None) -> None:
+    """Refuse certificates set for plain endpoints: the user meant TLS and would get none."""
+    if tls is not None and not endpoints[0].tls:
+        ep = endpoints[0]
+        raise EtcdTlsError(
+            f"etcd certificates are set ({', '.join(ENV_NAMES)}) but the endpoint {ep} is "
+            f"plain http: write it https://{ep.host}:{ep.port}, or unset the certificates")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +107,12 @@ class Store:
     """An etcd client bound to one or several endpoints of the same cluster."""
 
     def __init__(self, endpoints: str | list[Endpoint], *,
-                 retry_deadline_s: float | None = None) -> None:
+                 retry_deadline_s: float | None = None, tls: ClientTls | None = None) -> None:
+        """``tls`` None: the certificates of ``FTSYSTEM_ETCD_CA``/``_CERT``/``_KEY``, if set.
+        Raises :class:`EtcdTlsError` (a ValueError) for settings that cannot work."""
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else endpoints
+        self.tls = tls if tls is not None else ClientTls.from_env()
+        check_tls_fits(self.endpoints, self.tls)
         self.retry_deadline_s = retry_deadline_s if retry_deadline_s is not None else float(
             os.environ.get(RETRY_DEADLINE_ENV, DEFAULT_RETRY_DEADLINE_S))
         self._index = 0
@@ -116,9 +144,14 @@ class Store:
 
     def _ensure_client(self) -> aetcd.Client:
         if self._client is None:
-            ep = self.endpoints[self._index % len(self.endpoints)]
-            self._client = aetcd.Client(ep.host, ep.port, timeout=RPC_TIMEOUT_S)
+            ep = self._endpoint()
+            self._client = _TlsClient(ep.host, ep.port, timeout=RPC_TIMEOUT_S,
+                                      credentials=(self.tls or ClientTls()).credentials()) \
+                if ep.tls else aetcd.Client(ep.host, ep.port, timeout=RPC_TIMEOUT_S)
         return self._client
+
+    def _endpoint(self) -> Endpoint:
+        return self.endpoints[self._index % len(self.endpoints)]
 
     async def _rotate(self, failed: aetcd.Client) -> None:
         """Drop a failed connection and move on to the next endpoint.
@@ -141,6 +174,8 @@ class Store:
                 return await op()
             except (*_TRANSIENT, asyncio.CancelledError) as e:
                 _reraise_real_cancellation(e)
+                if problem := await tls_mismatch(str(e), self._endpoint()):
+                    raise StoreTlsError(problem) from e
                 if loop.time() + delay > deadline:
                     raise StoreUnavailableError(
                         f"etcd unreachable at {self} for {self.retry_deadline_s:.0f} s ({e}); "
@@ -349,6 +384,81 @@ class Store:
                 return await self._retry(self._status)
             except StoreUnavailableError as e:
                 log.warning("%s; still waiting", e)
+
+
+async def tls_mismatch(details: str, endpoint: Endpoint) -> str | None:
+    """What to set when a failed connection (gRPC's ``details``) shows that the client's TLS
+    and etcd's do not fit; None for any other failure (etcd down, a network outage).
+
+    gRPC names an untrusted server certificate, and reports etcd's refusal of the client's
+    certificate (an alert after the handshake) as corrupted data. One side speaking TLS to a
+    plain other ends in "Socket closed", as a connection cut by an outage does: a handshake of
+    our own then tells which it was.
+    """
+    if endpoint.tls and "CERTIFICATE_VERIFY_FAILED" in details:
+        return (f"etcd's certificate at {endpoint} is not trusted ({details.strip()}): set "
+                f"{ENV_CA} to the CA that signed it, and reach etcd by a name or address "
+                "its certificate lists")
+    if endpoint.tls and "TSI_DATA_CORRUPTED" in details:
+        return (f"etcd at {endpoint} refused this client's certificate, or requires one: set "
+                f"{ENV_CERT} and {ENV_KEY} to a client certificate signed by the CA etcd "
+                "trusts (its --trusted-ca-file)")
+    if "Socket closed" not in details:
+        return None
+    speaks = await speaks_tls(endpoint)  # None: it cannot be asked, e.g. it is down
+    if endpoint.tls and speaks is False:
+        return (f"etcd at {endpoint} does not speak TLS: write the endpoint "
+                f"http://{endpoint.host}:{endpoint.port}, or start etcd with certificates")
+    if not endpoint.tls and speaks is True:
+        return f"etcd at {endpoint} speaks TLS, not plain http: {WHAT_TO_SET}"
+    return None
+
+
+async def speaks_tls(endpoint: Endpoint, timeout_s: float = 2.0) -> bool | None:
+    """Whether the server at ``endpoint`` answers a TLS handshake (an alert counts: it speaks
+    TLS); None when it cannot be asked (unreachable, no answer in time)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only asking
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+    except OSError:  # refused, unreachable, or timed out (TimeoutError)
+        return None
+    try:
+        async with asyncio.timeout(timeout_s):
+            await writer.start_tls(context)
+    except ssl.SSLError as e:
+        return "ALERT" in (e.reason or "")
+    except TimeoutError:
+        return None
+    except OSError:  # it hung up on the handshake
+        return False
+    finally:
+        writer.close()
+    return True
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel: aetcd 1.0 opens plaintext channels only. The stubs
+    are made as aetcd's own ``connect`` makes them (no etcd user authentication)."""
+
+    def __init__(self, host: str, port: int, *, credentials: grpc.ChannelCredentials,
+                 **kwargs: Any) -> None:
+        super().__init__(host, port, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():  # no await below: no other task can be half-way
+            return
+        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
+                                               options=self._options.items())
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel),
+                                              timeout=self._timeout, metadata=self.metadata)
+        self._connected.set()
 
 
 class _KeepAliveStream:

@@ -2,14 +2,17 @@
 
 One secret per job, from ``FTSYSTEM_API_TOKEN`` or from the file named by
 ``FTSYSTEM_API_TOKEN_FILE``. The controllers require it of every mutating request
-(``controller.auth``); the agents hand it to their ranks, whose state servers require it of
-every fetch (``ftsystem.training.state_access``). It travels as ``Authorization: Bearer
-<token>``, is compared in constant time and is never logged. Nothing here imports the web stack:
-the agent and the ranks use it too.
+(``controller.auth``). The ranks never see it: their agent hands them the state servers' key,
+derived from it (:func:`state_key`), from which each replica's own token follows
+(:func:`replica_token`); a state server accepts a fetch only with the token of the replica the
+fetch names (``ftsystem.training.state_access``). Tokens travel as ``Authorization: Bearer
+<token>``, are compared in constant time and are never logged. Nothing here imports the web
+stack: the agent and the ranks use it too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from typing import Mapping
@@ -43,3 +46,15 @@ def bearer_matches(authorization: str, token: bytes) -> bool:
     """Whether an ``Authorization`` header carries ``token``, compared in constant time."""
     scheme, _, given = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)
+
+
+def state_key(job_token: str) -> str:
+    """The key of the job's state servers, derived from the job's token: whoever holds it can
+    verify (and make) replica tokens, but cannot use the controllers' API."""
+    return hmac.new(job_token.encode(), b"ftsystem state servers", hashlib.sha256).hexdigest()
+
+
+def replica_token(key: str, replica_id: str) -> str:
+    """The token with which replica ``replica_id`` fetches state: a holder of one replica's
+    token cannot fetch as another."""
+    return hmac.new(key.encode(), b"replica " + replica_id.encode(), hashlib.sha256).hexdigest()

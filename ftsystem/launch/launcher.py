@@ -30,6 +30,7 @@ from ftsystem.control import jobs, keys
 from ftsystem.measure import ettr, stall, timeline
 from ftsystem.chaos.spec import ChaosSpec, submit
 from ftsystem.control.etcd_server import EtcdCluster, free_port
+from ftsystem.control.etcd_tls import ENV_NAMES, ClientTls
 from ftsystem.chaos.faults import FaultPoint, parse_fault_point
 from ftsystem.launch.netns import Host, HostNetwork
 from ftsystem.launch.procs import die_with_parent, wait_listening
@@ -214,6 +215,7 @@ class NodeAgents:
 def run_job(cfg: RunConfig) -> dict:
     """Run the job to the end; returns the summary (also written to ``out_dir``)."""
     check_chaos_fits(cfg)
+    check_etcd_fits(cfg)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     _clear_results(cfg)
     procs = ProcessGroup(cfg.out_dir)
@@ -327,6 +329,15 @@ def check_chaos_fits(cfg: RunConfig) -> None:
     if "etcd-member-kill" in actions and (cfg.etcd or cfg.etcd_members < 3):
         raise ValueError("etcd-member-kill needs an embedded etcd of 3 members or more: "
                          "add --etcd-members 3 (and no --etcd)")
+
+
+def check_etcd_fits(cfg: RunConfig) -> None:
+    """Refuse etcd certificates for the embedded etcd, which serves plain http on loopback."""
+    if not cfg.etcd and ClientTls.from_env() is not None:
+        raise ValueError(f"etcd certificates are set ({', '.join(ENV_NAMES)}) but no --etcd: "
+                         "the embedded etcd serves plain http on loopback. For TLS, start one "
+                         "with certificates (`ftsystem etcd --cert ... --key ... --client-ca "
+                         "...`) and pass its https:// URL with --etcd")
 
 
 def _service_address(node_hosts: list[Host | None]) -> str:

@@ -49,9 +49,11 @@ ENV_CHECKPOINT_EVERY = "FTSYSTEM_CHECKPOINT_EVERY"
 """Committed steps between disk checkpoints (default 100), written by the epoch's rank 0."""
 ENV_CHECKPOINT_KEEP = "FTSYSTEM_CHECKPOINT_KEEP"
 """Complete checkpoints kept (default 3); older ones are removed."""
-ENV_JOB_TOKEN = "FTSYSTEM_JOB_TOKEN"
-"""The job's token, set by the agent from its ``FTSYSTEM_API_TOKEN`` (or ``..._FILE``): the
-rank's state server requires it of every fetch, and the rank's own fetches send it."""
+ENV_STATE_KEY = "FTSYSTEM_STATE_KEY"
+"""The state servers' key, which the agent derives from the job's token (its
+``FTSYSTEM_API_TOKEN`` or ``..._FILE``, which the ranks never get): the rank's state server
+accepts a fetch only with the token this key makes for the replica the fetch names, and the
+rank's own fetches send its replica's token (``ftsystem.control.tokens``)."""
 ENV_INSECURE = "FTSYSTEM_INSECURE"
 """``1`` when the agent was started with ``--insecure`` and no token: the rank's state server
 then serves without one. Without either, the rank refuses to start its state server."""
@@ -81,8 +83,8 @@ class ReplicaContext:
     """The replica's ranks on all its nodes (``WORLD_SIZE``)."""
     timeout_s: float
     """The one timeout users set: collectives and rendezvous give up after it."""
-    job_token: str = field(default="", repr=False)
-    """The job's token (``FTSYSTEM_JOB_TOKEN``); empty: none was handed down."""
+    state_key: str = field(default="", repr=False)
+    """The state servers' key (``FTSYSTEM_STATE_KEY``); empty: none was handed down."""
     insecure: bool = False
     """The agent was started with ``--insecure`` (``FTSYSTEM_INSECURE=1``)."""
 
@@ -102,7 +104,7 @@ class ReplicaContext:
                    rank=int(env.get("RANK", "0")),
                    world_size=int(env.get("WORLD_SIZE", "1")),
                    timeout_s=float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)),
-                   job_token=env.get(ENV_JOB_TOKEN, ""),
+                   state_key=env.get(ENV_STATE_KEY, ""),
                    insecure=env.get(ENV_INSECURE, "") == "1")
 
 
