@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Response
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -37,6 +38,15 @@ PROBES = frozenset({"/healthz", "/readyz"})
 ERRORS = {status: {"model": models.ErrorDetail, "description": what} for status, what in (
     (401, "no token, or another: send Authorization: Bearer <the job's token>"),
     (503, "etcd unreachable"))}
+
+
+class AsBuilt(APIRoute):
+    """A route of the API: its answer holds the fields its handler built from etcd and no
+    others (a field a stored record lacks stays out); the response model types and documents
+    them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs | {"response_model_exclude_unset": True})
 
 
 def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
@@ -70,7 +80,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
     app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan)
     # Every route of the API is on this router, behind the token: a route added to it later is
     # closed by default too. Only the probes are on the app itself.
-    api = APIRouter(dependencies=[Depends(auth)], responses=ERRORS)
+    api = APIRouter(dependencies=[Depends(auth)], responses=ERRORS, route_class=AsBuilt)
 
     @app.get("/healthz", response_model=models.Health)
     async def healthz() -> dict:

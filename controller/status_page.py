@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException
 
 from controller import svg
 from controller.leader import LeaderConfig, LiveTerm
-from controller.views import NUM_FAILURES_SHOWN, Progress, build_job_view, recent_failures
+from controller.views import (NUM_FAILURES_SHOWN, NUM_RATE_POINTS, Progress, build_job_view,
+                              recent_failures)
 from ftsystem.chaos.spec import Order, read_orders
 from ftsystem.control import keys
 from ftsystem.control.store import Store
@@ -202,7 +203,7 @@ def render_page(job: str, items: dict[str, bytes], *, instance: str, now: float,
                       f"replicas, min {spec.get('min_replicas', '?')}, "
                       f"{spec.get('num_steps', '?')} steps"),
         progress=_progress(progress, view["leader"], instance),
-        window=f", last {progress.window_s / 60:.0f} min" if progress else "",
+        window=f", last {_span(now - _rate_start(progress, now))}" if progress else "",
         sparkline=_sparkline(progress, now),
         timeline=_timeline(progress, failures, now, spec),
         replica_counts=_e(_replica_counts(view["replicas"], len(shown))),
@@ -225,11 +226,22 @@ def _total_steps(spec: dict[str, Any], replicas: list[dict[str, Any]]) -> int | 
     return max(steps, default=None)
 
 
+def _rate_start(progress: Progress, now: float) -> float:
+    """Where the sparkline starts: the rate window's start, or the term's first interval when
+    the term is younger (a new leader's line fills the chart)."""
+    first = progress.rates[0][0] - progress.window_s / NUM_RATE_POINTS if progress.rates else now
+    return max(now - progress.window_s, min(first, now - 1.0))
+
+
 def _sparkline(progress: Progress | None, now: float) -> str:
     if progress is None:
         return '<p class="muted">measured by the leading controller</p>'
-    return svg.sparkline(progress.rates, start=now - progress.window_s, end=now,
+    return svg.sparkline(progress.rates, start=_rate_start(progress, now), end=now,
                          element_id="rate-sparkline")
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _timeline(progress: Progress | None, failures: list[dict[str, Any]], now: float,
@@ -242,7 +254,8 @@ def _timeline(progress: Progress | None, failures: list[dict[str, Any]], now: fl
     start = steps[0][0] if steps else now
     capacity = spec.get("replicas") if isinstance(spec.get("replicas"), int) else 0
     return svg.step_timeline(steps, [f["time"] for f in failures], start=start, end=now,
-                             capacity=capacity, element_id="epoch-timeline")
+                             capacity=capacity, start_label=f"{_clock(start)} UTC",
+                             end_label="now", element_id="epoch-timeline")
 
 
 def catching_up(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:

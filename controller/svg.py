@@ -44,6 +44,8 @@ def sparkline(points: Sequence[tuple[float, float]], *, start: float, end: float
     label = f"peak {peak:.2f}/s"
     return (f'<svg id="{_e(element_id)}" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" role="img" aria-label="{_e(label)}">'
+            f'<line x1="0" y1="{height - 0.5}" x2="{width}" y2="{height - 0.5}" '
+            f'stroke="{GREY}"/>'
             f'<polygon points="{area}" fill="{BLUE}" fill-opacity="0.15"/>'
             f'<polyline points="{line}" fill="none" stroke="{BLUE}" stroke-width="1.5"/>'
             f'<text x="{width - 2}" y="10" text-anchor="end" fill="#5b6475" font-size="10">'
@@ -51,17 +53,18 @@ def sparkline(points: Sequence[tuple[float, float]], *, start: float, end: float
 
 
 def step_timeline(steps: Sequence[tuple[float, int, str, bool]], marks: Sequence[float], *,
-                  start: float, end: float, capacity: int, width: int = 640, height: int = 70,
+                  start: float, end: float, capacity: int, start_label: str = "",
+                  end_label: str = "", width: int = 640, height: int = 70,
                   element_id: str = "") -> str:
     """A count over time as steps, e.g. an epoch's members: each ``(t, count, label,
     highlighted)`` holds until the next (the last until ``end``); highlighted ones in red
     (paused epochs). ``marks`` (e.g. failures) are red ticks. The y axis runs from 0 to
-    ``capacity`` whole units."""
+    ``capacity`` whole units; the time axis is labelled at both ends."""
     if not steps or end <= start:
         return (f'<svg id="{_e(element_id)}" width="{width}" height="24" role="img" '
                 f'aria-label="no epochs yet"><text x="4" y="16" fill="#5b6475" '
                 f'font-size="12">no epochs yet</text></svg>')
-    left, top, bottom = 28, 14, height - 14
+    left, top, bottom = 28, 14, height - 16
     capacity = max(capacity, max(count for _, count, _, _ in steps), 1)
 
     def x(t: float) -> float:
@@ -74,7 +77,11 @@ def step_timeline(steps: Sequence[tuple[float, int, str, bool]], marks: Sequence
              f'<text x="{left - 4}" y="{y(capacity) + 4:.1f}" text-anchor="end" '
              f'font-size="10" fill="#5b6475">{capacity}</text>',
              f'<text x="{left - 4}" y="{bottom + 4}" text-anchor="end" font-size="10" '
-             f'fill="#5b6475">0</text>']
+             f'fill="#5b6475">0</text>',
+             f'<text x="{left}" y="{height - 2}" font-size="10" fill="#5b6475">'
+             f'{_e(start_label)}</text>',
+             f'<text x="{width - 2}" y="{height - 2}" text-anchor="end" font-size="10" '
+             f'fill="#5b6475">{_e(end_label)}</text>']
     ends = [t for t, _, _, _ in steps[1:]] + [end]
     for (t, count, label, highlighted), until in zip(steps, ends):
         x0, x1 = x(t), x(until)

@@ -204,7 +204,7 @@ def write_prometheus_config(directory: Path, discovery_url: str, etcd_url: str,
     (as scrape job ``ETCD_JOB``), and the committed rules (evaluated every second, so that the
     recording rules have data within the run)."""
     path = directory / "prometheus.yml"
-    token = {"credentials_file": str(token_file)}
+    token = {"type": "Bearer", "credentials_file": str(token_file)}
     path.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(DASHBOARDS / name) for name in RULE_FILES],

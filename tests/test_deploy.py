@@ -403,7 +403,8 @@ def test_prometheus_config_discovers_through_the_controller(tmp_path):
     (ftsystem,) = [job for job in prometheus_config()["scrape_configs"]
                    if "http_sd_configs" in job]
     token_file = ftsystem["authorization"]["credentials_file"]
-    assert all(sd["authorization"] == {"credentials_file": token_file}
+    assert ftsystem["authorization"]["type"] == "Bearer"  # Prometheus 2.42's http_sd omits it
+    assert all(sd["authorization"] == {"type": "Bearer", "credentials_file": token_file}
                for sd in ftsystem["http_sd_configs"])
     prometheus = services["prometheus"]
     assert f">{token_file} " in prometheus["entrypoint"][2]
