@@ -33,8 +33,6 @@ READY_TIMEOUT_S = 1.0
 """How long ``/readyz`` waits for etcd. Below the probes' own timeout (2 s in docker/k8s), so
 that a frozen etcd gets a 503 that says so rather than a probe timeout that says nothing; and
 far below the store's retry deadline, which outlasts any probe."""
-PROBES = frozenset({"/healthz", "/readyz"})
-"""The only routes served without the token: orchestrators' probes carry none."""
 ERRORS = {status: {"model": models.ErrorDetail, "description": what} for status, what in (
     (401, "no token, or another: send Authorization: Bearer <the job's token>"),
     (503, "etcd unreachable"))}
@@ -79,7 +77,8 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
 
     app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan)
     # Every route of the API is on this router, behind the token: a route added to it later is
-    # closed by default too. Only the probes are on the app itself.
+    # closed by default too. Only the probes, /healthz and /readyz, are on the app itself:
+    # orchestrators' probes carry no token.
     api = APIRouter(dependencies=[Depends(auth)], responses=ERRORS, route_class=AsBuilt)
 
     @app.get("/healthz", response_model=models.Health)
