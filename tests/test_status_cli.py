@@ -4,12 +4,18 @@ job its browser test trains."""
 
 from __future__ import annotations
 
+import io
 from rich.console import Console
 from typer.testing import CliRunner
 
 from ftsystem.cli import app
 from ftsystem.control.etcd_server import free_port
-from ftsystem.control.status_cli import render, sparkline
+from unittest.mock import create_autospec
+
+import pytest
+
+from ftsystem.control.api_client import ApiError, ControllerClient
+from ftsystem.control.status_cli import render, sparkline, views
 
 STATUS = {
     "job": "demo", "spec": {"replicas": 3, "num_steps": 200}, "leader": "c0",
@@ -37,8 +43,12 @@ STATUS = {
 
 
 def _text(status: dict) -> str:
-    console = Console(record=True, width=120, color_system=None)
-    console.print(render(status))
+    return _plain(render(status))
+
+
+def _plain(view) -> str:
+    console = Console(record=True, width=120, color_system=None, file=io.StringIO())
+    console.print(view)
     return console.export_text()
 
 
@@ -71,6 +81,20 @@ def test_a_standby_without_the_leaders_measure_says_so():
     paused = STATUS | {"epoch": STATUS["epoch"] | {"paused": True}, "failures": []}
     text = _text(paused)
     assert "PAUSED" in text and "failures: none" in text
+
+
+def test_watch_keeps_the_last_view_with_a_note_while_the_controller_is_away():
+    api = create_autospec(ControllerClient, instance=True)
+    down = ApiError("the controller at http://c:8080 does not answer (refused)")
+    api.get.side_effect = [STATUS, down, STATUS | {"time": 1001.0}]
+    shown = [_plain(view) for _, view in zip(range(3), views(api, "demo"))]
+    assert "not updating" not in shown[0] and "00:16:40 UTC" in shown[0]
+    assert shown[1].startswith(shown[0].rstrip("\n")[:40]) and "not updating (the controller" \
+        " at http://c:8080 does not answer (refused)); showing the last view" in shown[1]
+    assert "00:16:41 UTC" in shown[2] and "not updating" not in shown[2]
+    api.get.side_effect = [down]
+    with pytest.raises(ApiError):  # no view yet: the command fails instead
+        next(views(api, "demo"))
 
 
 def test_an_unreachable_controller_says_what_to_do(monkeypatch):

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
@@ -180,29 +181,46 @@ def watch(job: str = typer.Argument(..., help="job id"), controller: str = CONTR
           interval: float = typer.Option(1.0, min=0.1, help="seconds between refreshes"),
           iterations: int = typer.Option(0, min=0, help="stop after this many views (0: until "
                                          "Ctrl-C)")) -> None:
-    """A live view of a job, refreshed every --interval: what `ftsystem status` shows."""
-    from rich.live import Live
+    """A live view of a job, refreshed every --interval: what `ftsystem status` shows. While
+    the controller does not answer, the last view stays, with a note."""
     _check_id("job", job)
-    console = Console()
-    with client(controller, token_file) as api:
-        live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+    with client(controller, token_file) as api, _screen(Console()) as show:
         try:
-            if live is not None:
-                live.start()
-            count = 0
-            while True:
-                view = render(_fetch(api, job))
-                if live is not None:
-                    live.update(view, refresh=True)
-                else:
-                    console.print(view)
-                    console.rule(style="dim")
-                count += 1
+            for count, view in enumerate(views(api, job), start=1):
+                show(view)
                 if count == iterations:
                     return
                 time.sleep(interval)
+        except ApiError as e:
+            raise _fail(str(e))
         except KeyboardInterrupt:
             return
-        finally:
-            if live is not None:
-                live.stop()
+
+
+def views(api: ControllerClient, job: str) -> Iterator[RenderableType]:
+    """The job's view at each step of the iteration; once one was made, a request that fails
+    yields the last one with a note instead (the first failure raises ``ApiError``)."""
+    last = None
+    while True:
+        try:
+            last = render(fetch_status(api, job))
+            yield last
+        except ApiError as e:
+            if last is None:
+                raise
+            yield Group(last, Text(f"not updating ({e}); showing the last view",
+                                   style="bold red"))
+
+
+@contextmanager
+def _screen(console: Console) -> Iterator[Callable[[RenderableType], None]]:
+    """Where views go: redrawn in place on a terminal, else printed one after the other."""
+    if not console.is_terminal:
+        def show(view: RenderableType) -> None:
+            console.print(view)
+            console.rule(style="dim")
+        yield show
+        return
+    from rich.live import Live
+    with Live(console=console, auto_refresh=False) as live:
+        yield lambda view: live.update(view, refresh=True)
