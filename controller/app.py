@@ -33,9 +33,12 @@ READY_TIMEOUT_S = 1.0
 """How long ``/readyz`` waits for etcd. Below the probes' own timeout (2 s in docker/k8s), so
 that a frozen etcd gets a 503 that says so rather than a probe timeout that says nothing; and
 far below the store's retry deadline, which outlasts any probe."""
-ERRORS = {status: {"model": models.ErrorDetail, "description": what} for status, what in (
+ERRORS = {status: {"description": what, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorDetail"}}}} for status, what in (
     (401, "no token, or another: send Authorization: Bearer <the job's token>"),
     (503, "etcd unreachable"))}
+"""Every route of the API may answer these, in JSON whatever its own media type (the status
+page, /metrics); ``_errors`` declares ``ErrorDetail`` itself."""
 
 
 class AsBuilt(APIRoute):

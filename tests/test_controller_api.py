@@ -132,6 +132,7 @@ def test_every_route_but_the_probes_needs_the_token(controller, job_id):
                        "/v1/jobs/{job}/chaos": "OrderList"}
     assert {"replicas", "epoch", "failures", "progress", "leader_address"} <= set(
         models["JobStatus"]["properties"])
+    assert models["ErrorDetail"]["required"] == ["detail"]  # every route's 401 refers to it
     # The status page without the token: the sign-in page, with none of the job's data.
     page = httpx.get(f"{controller}/")
     assert page.status_code == 401 and '<form id="sign-in" >' in page.text
