@@ -115,7 +115,7 @@ def _replicas(status: dict[str, Any]) -> Table:
         step = r["step"] if isinstance(r["step"], int) else 0
         table.add_row(Text(r["id"], style="bold" if r["id"] in members else ""), r["state"],
                       ProgressBar(total=max(total, 1), completed=min(step, total or 1),
-                                  width=30),
+                                  width=30, complete_style="blue", finished_style="green"),
                       f"{_dash(r['step'])}/{total}" if total else _dash(r["step"]),
                       _dash(r["generation"]), str(r["restarts"]), _dash(r["host"]))
     return table
