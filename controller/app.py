@@ -11,13 +11,16 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Body, Depends, FastAPI, HTTPException, Query, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Response
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controller import models
 from controller.auth import BearerAuth, load_token
 from controller.leader import LeaderConfig, LiveTerm, run_elections
-from controller.status_page import status_router
+from controller.status_page import install_status_page
+from controller.views import NUM_FAILURES_SHOWN, Progress, build_job_view, build_status
 from ftsystem.chaos import rate as chaos_rate
 from ftsystem.control import jobs, keys
 from ftsystem.measure import metrics
@@ -26,22 +29,35 @@ from ftsystem.control.membership import ReplicaState
 from ftsystem.control.store import HeldKey, Store, StoreError
 
 log = logging.getLogger(__name__)
-INTERNAL_EPOCH_FIELDS = ("store_addr",)
-"""Left out of the public view: the rendezvous store's address. (The state servers' addresses
-live in registrations and catch-up assignments, which the view does not copy.)"""
 READY_TIMEOUT_S = 1.0
 """How long ``/readyz`` waits for etcd. Below the probes' own timeout (2 s in docker/k8s), so
 that a frozen etcd gets a 503 that says so rather than a probe timeout that says nothing; and
 far below the store's retry deadline, which outlasts any probe."""
+ERRORS = {status: {"description": what, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorDetail"}}}} for status, what in (
+    (401, "no token, or another: send Authorization: Bearer <the job's token>"),
+    (503, "etcd unreachable"))}
+"""Every route of the API may answer these, in JSON whatever its own media type (the status
+page, /metrics); ``_errors`` declares ``ErrorDetail`` itself."""
 
 
-def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> FastAPI:
+class AsBuilt(APIRoute):
+    """A route of the API: its answer holds the fields its handler built from etcd and no
+    others (a field a stored record lacks stays out); the response model types and documents
+    them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs | {"response_model_exclude_unset": True})
+
+
+def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
+               public_read: bool = False) -> FastAPI:
     """The controller's app. Raises ``AuthConfigError`` (before anything starts) when no API
-    token is configured and ``insecure`` is not set."""
+    token is configured and ``insecure`` is not set. ``public_read``: GET and HEAD need no
+    token."""
     is_leader = asyncio.Event()
-    term = LiveTerm()  # what this instance measures while it leads, for its status page
-    # On the app, not per route: a route added later is closed by default too.
-    auth = BearerAuth(load_token(), insecure=insecure)
+    term = LiveTerm()  # what this instance measures while it leads, for its status
+    auth = BearerAuth(load_token(), insecure=insecure, public_read=public_read)
     metrics.init_controller(cfg.job)
 
     @asynccontextmanager
@@ -62,48 +78,63 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
             await asyncio.gather(*tasks, return_exceptions=True)
             await store.close()
 
-    app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan,
-                  dependencies=[Depends(auth)])
+    app = FastAPI(title="ftsystem controller", version="1", lifespan=lifespan)
+    # Every route of the API is on this router, behind the token: a route added to it later is
+    # closed by default too. Only the probes, /healthz and /readyz, are on the app itself:
+    # orchestrators' probes carry no token.
+    api = APIRouter(dependencies=[Depends(auth)], responses=ERRORS, route_class=AsBuilt)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=models.Health)
     async def healthz() -> dict:
+        """Liveness: the process serves HTTP (no etcd read, no token)."""
         return {"status": "ok", "job": cfg.job, "instance": cfg.instance_id,
                 "pid": os.getpid(), "leader": is_leader.is_set()}
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=models.Readiness,
+             responses={503: {"model": models.Readiness, "description": "not ready"}})
     async def readyz() -> JSONResponse:
         """Ready to serve the API: etcd answers and some instance leads the job (503 names
         the condition that failed). Not a liveness check: an etcd outage must not restart
-        the controllers."""
+        the controllers. No token."""
         status, body = await readiness(store, cfg.job)
         return JSONResponse(body, status_code=status)
 
-    @app.get("/v1/jobs")
+    @api.get("/v1/jobs", response_model=models.JobList)
     async def list_jobs() -> dict:
         """Every job with a spec in this etcd (not only this controller's)."""
         return {"jobs": await jobs.list_jobs(store)}
 
-    @app.get("/v1/jobs/{job}")
+    @api.get("/v1/jobs/{job}", response_model=models.JobView, responses=_errors(400, 404))
     async def get_job(job: str) -> dict:
         """The job's spec (null until it is created), epoch and replicas."""
         _check_job(cfg.job, job)
         return await job_view(store, job)
 
-    @app.post("/v1/jobs/{job}", status_code=201)
-    async def create_job(job: str, spec: dict[str, Any] = Body(...)) -> dict:
-        """Create the job from its spec: 409 if it exists (delete it first), 422 if the spec
-        is malformed. The leader starts no epoch before this."""
+    @api.post("/v1/jobs/{job}", status_code=201, response_model=models.CreatedJob,
+              responses={**_errors(400, 404, 409), 200: {
+                  "model": models.CreatedJob, "description": "exist_ok: it exists, so"}})
+    async def create_job(job: str, spec: models.JobSpecRequest, response: Response,
+                         exist_ok: bool = Query(False, description="answer 200 if the job "
+                                                "exists with this very spec")) -> dict:
+        """Create the job from its spec: 409 if it exists (delete it first; with exist_ok,
+        200 if it exists with this very spec), 422 if the spec is malformed. The leader
+        starts no epoch before this."""
         _check_job(cfg.job, job)
+        now = time.time()
         try:
-            stored = await jobs.create_job(store, job, jobs.parse_spec(spec), now=time.time())
+            stored = await jobs.create_job(store, job, jobs.parse_spec(spec.raw()), now=now,
+                                           exist_ok=exist_ok)
         except jobs.JobSpecError as e:  # in the shape FastAPI declares for its own 422s
             raise HTTPException(422, [{"loc": ["body"], "type": "value_error",
                                        "msg": f"{e}; nothing was stored"}]) from e
         except jobs.JobExistsError as e:
             raise HTTPException(409, str(e)) from e
+        if stored.created_at != now:  # it existed, with this spec
+            response.status_code = 200
         return {"job": job, "spec": stored.to_json()}
 
-    @app.delete("/v1/jobs/{job}")
+    @api.delete("/v1/jobs/{job}", response_model=models.DeletedJob,
+                responses=_errors(400, 404, 409))
     async def delete_job(job: str, force: bool = Query(
             False, description="delete even while agents or replicas are registered")) -> dict:
         """Remove every key of the job: 409 while it runs (unless force), 404 if nothing is
@@ -117,7 +148,21 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
             raise HTTPException(404, str(e)) from e
         return {"job": job, "deleted": True}
 
-    @app.get("/v1/jobs/{job}/replicas/{replica_id}")
+    @api.get("/v1/jobs/{job}/status", response_model=models.JobStatus,
+             responses=_errors(400, 404))
+    async def get_status(job: str, failures: int = Query(
+            NUM_FAILURES_SHOWN, ge=0, le=1000, description="how many recent failures")) -> dict:
+        """One read of the job for an operator (``ftsystem status``, ``ftsystem watch``): its
+        view, its recent failures and, from the leading instance, the step rate, ETTR and
+        the epochs of its term (a standby answers progress null and leader_address)."""
+        _check_job(cfg.job, job)
+        items, _ = await store.get_prefix(keys.job(job) + "/")
+        now = time.time()
+        return build_status(job, items, now=now, progress=Progress.of(term, now),
+                            num_failures=failures)
+
+    @api.get("/v1/jobs/{job}/replicas/{replica_id}", response_model=models.Replica,
+             responses=_errors(400, 404))
     async def get_replica(job: str, replica_id: str) -> dict:
         _check_job(cfg.job, job)
         try:
@@ -133,13 +178,14 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
 
     limit, window_s = chaos_rate.configured_rate()
 
-    @app.post("/v1/jobs/{job}/chaos", status_code=201)
-    async def post_chaos(job: str, spec: dict[str, Any] = Body(...)) -> dict:
+    @api.post("/v1/jobs/{job}/chaos", status_code=201, response_model=models.SubmittedChaos,
+              responses=_errors(400, 404, 429))
+    async def post_chaos(job: str, spec: models.ChaosSpecRequest) -> dict:
         """Validate a chaos spec, expand it against the job's replicas, store the orders.
         Rate-limited per job (``FTSYSTEM_CHAOS_RATE``, shared with ``ftsystem chaos apply``)."""
         _check_job(cfg.job, job)
         try:
-            parsed = spec_from_mapping(spec)
+            parsed = spec_from_mapping(spec.raw())
             await chaos_rate.take(store, job, limit, window_s)
             orders = await submit(store, job, parsed, f"api-{int(time.time() * 1000)}",
                                   now=time.time())
@@ -149,14 +195,16 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
             raise HTTPException(429, f"{e}; nothing was stored") from e
         return {"orders": [order.id for order in orders]}
 
-    @app.get("/v1/jobs/{job}/chaos")
+    @api.get("/v1/jobs/{job}/chaos", response_model=models.OrderList,
+             responses=_errors(400, 404))
     async def list_chaos(job: str) -> dict:
         """Every chaos order of the job with its state and outcome, oldest first."""
         _check_job(cfg.job, job)
         items, _ = await store.get_prefix(keys.chaos_orders(job))
         return {"orders": [dataclasses.asdict(o) for o in read_orders(items)]}
 
-    @app.get("/v1/jobs/{job}/events")
+    @api.get("/v1/jobs/{job}/events", response_model=models.EventList,
+             responses=_errors(400, 404))
     async def list_events(job: str) -> dict:
         """What replicas reported about the job's state: divergences (a replica whose state
         differed from the others', how it was found, whom it differed from) and halts (a
@@ -169,14 +217,15 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
                    for k, v in halted.items()]
         return {"events": sorted(events, key=lambda e: e.get("time", 0))}
 
-    @app.get("/v1/sd/prometheus")
+    @api.get("/v1/sd/prometheus", response_model=list[models.TargetGroup])
     async def prometheus_service_discovery() -> list[dict]:
         """Prometheus HTTP service discovery: every metrics endpoint of the job."""
         items, _ = await store.get_prefix(keys.job(cfg.job) + "/")
         return discovery_targets(cfg.job, items)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @api.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
+        """Prometheus text format."""
         await _refresh_gauges(store, cfg.job)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -185,8 +234,17 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False) -> Fa
         return Response(json.dumps({"detail": str(exc)}), status_code=503,
                         media_type="application/json")
 
-    app.include_router(status_router(store, cfg, term))
+    install_status_page(app, api, store, cfg, term)
+    app.include_router(api)
     return app
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route declares besides 401 and 503 (``{"detail": "..."}``)."""
+    what = {400: "an invalid id or spec", 404: "another job, or no such replica",
+            409: "refused for the job's state", 429: "over the chaos rate limit"}
+    return {status: {"model": models.ErrorDetail, "description": what[status]}
+            for status in statuses}
 
 
 async def _restore_when_deleted(store: Store, record: HeldKey) -> None:
@@ -250,40 +308,6 @@ async def job_view(store: Store, job: str) -> dict[str, Any]:
     """The job as its users see it: spec, epoch, and every replica an agent supervises."""
     items, _ = await store.get_prefix(keys.job(job) + "/")
     return build_job_view(job, items)
-
-
-def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
-    """Pure: turn the job's etcd keys into the API's JSON."""
-    def under(prefix: str) -> dict[str, Any]:
-        return {k[len(prefix):]: json.loads(v) for k, v in items.items() if k.startswith(prefix)}
-
-    registrations = under(keys.replicas(job))
-    agents: dict[str, Any] = {}  # per replica, the record of its lowest node rank
-    for path, record in sorted(under(keys.agents(job)).items(), reverse=True):
-        agents[path.split("/", 1)[0]] = record
-    restarts: dict[str, int] = {}
-    for path in under(keys.failures(job)):
-        rid = path.split("/", 1)[0]
-        restarts[rid] = restarts.get(rid, 0) + 1
-    epoch = json.loads(items.get(keys.epoch(job), b"null"))
-    if epoch:  # where the replicas meet is theirs to know, not the API's readers'
-        epoch = {k: v for k, v in epoch.items() if k not in INTERNAL_EPOCH_FIELDS}
-    leader = items.get(keys.leader(job))
-    replicas = []
-    for rid in sorted(set(registrations) | set(agents)):
-        reg = registrations.get(rid, {})
-        replicas.append({
-            "id": rid,
-            "state": reg.get("state", "restarting"),  # an agent without a live replica
-            "step": reg.get("step"),
-            "generation": reg.get("generation", agents.get(rid, {}).get("generation")),
-            "restarts": restarts.get(rid, 0),
-            "host": reg.get("host") or agents.get(rid, {}).get("host"),
-        })
-    return {"job": job, "spec": json.loads(items.get(keys.spec(job), b"null")),
-            "leader": leader.decode() if leader else None,
-            "epoch": epoch or {"number": 0, "members": []},
-            "replicas": replicas}
 
 
 def discovery_targets(job: str, items: dict[str, bytes]) -> list[dict]:

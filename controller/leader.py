@@ -18,7 +18,8 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from ftsystem.control import keys
 from ftsystem.control.jobs import JobSpec, JobSpecError, parse_spec
@@ -70,12 +71,49 @@ def lapse_rule(cfg: LeaderConfig, spec: JobSpec | None) -> LapseRule:
     return LapseRule.for_lease_ttl(ttl)
 
 
+NUM_EPOCHS_KEPT = 50
+"""Epochs a term remembers for its status (the epoch timeline)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EpochMark:
+    """An epoch as the timeline shows it: not its members, which may be thousands."""
+
+    number: int
+    time: float
+    num_members: int
+    reason: str
+    paused: bool
+
+    @classmethod
+    def of(cls, epoch: Epoch) -> "EpochMark":
+        return cls(number=epoch.number, time=epoch.time, num_members=len(epoch.members),
+                   reason=epoch.reason, paused=epoch.paused)
+
+
 @dataclass(slots=True)
 class LiveTerm:
-    """What this instance measures while it leads, for its own status page; empty while it
-    does not (a standby's page names the leader instead)."""
+    """What this instance measures while it leads, for its status (the page, ``GET
+    /v1/jobs/{job}/status``); empty while it does not (a standby names the leader instead)."""
 
     ettr: LiveEttr | None = None
+    epochs: deque[EpochMark] = field(default_factory=lambda: deque(maxlen=NUM_EPOCHS_KEPT))
+    """The epochs this term found or published, oldest first."""
+
+    def begin(self, num_replicas: int, epoch: Epoch | None) -> LiveEttr:
+        """A term starts measuring, from the epoch it found (if any)."""
+        self.ettr = LiveEttr(num_replicas=num_replicas)
+        self.epochs.clear()
+        if epoch is not None:
+            self.record(epoch)
+        return self.ettr
+
+    def record(self, epoch: Epoch) -> None:
+        self.epochs.append(EpochMark.of(epoch))
+
+    def end(self) -> None:
+        self.ettr = None
+        self.epochs.clear()
 
 
 class JobDeletedError(StoreError):
@@ -132,7 +170,7 @@ async def run_elections(store: Store, cfg: LeaderConfig, is_leader: asyncio.Even
             log.warning("controller %s lost leadership: %s", cfg.instance_id, e)
         finally:
             is_leader.clear()
-            term.ettr = None
+            term.end()
             metrics.IS_LEADER.labels(cfg.job).set(0)
             await _revoke_quietly(store, lease)
 
@@ -223,7 +261,7 @@ class MembershipLoop:
                              if m not in self.registrations}
         # ETTR from the moment this instance leads (a new leader starts its own count),
         # against the job's capacity: every replica of the spec.
-        self.ettr = self.term.ettr = LiveEttr(num_replicas=spec.replicas)
+        self.ettr = self.term.begin(spec.replicas, self.epoch)
         watchers = [asyncio.create_task(self._watch(keys.replicas(self.cfg.job), revision + 1)),
                     asyncio.create_task(self._watch(keys.spec(self.cfg.job), spec_revision + 1))]
         try:
@@ -429,3 +467,4 @@ class MembershipLoop:
                  len(nxt.members), ",".join(sorted(before - set(nxt.members))),
                  ",".join(sorted(set(nxt.members) - before)), " PAUSED" if nxt.paused else "")
         self.epoch = nxt
+        self.term.record(nxt)

@@ -15,13 +15,15 @@ from ftsystem.control.store import Store
 
 
 def serve(*, etcd: str, job: str, port: int, bind: str, advertise_address: str,
-          instance_id: str | None = None, insecure: bool = False) -> None:
+          instance_id: str | None = None, insecure: bool = False,
+          public_read: bool = False) -> None:
     """Listen on ``bind:port``; publish ``advertise_address:port`` for discovery."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(message)s")
     cfg = LeaderConfig(job=job,
                        address=f"{advertise_address}:{port}",
                        instance_id=instance_id or f"{socket.gethostname()}-{os.getpid()}-{port}")
-    app = create_app(Store(etcd), cfg, insecure=insecure)  # refuses an open API first
+    # Refuses an open API first.
+    app = create_app(Store(etcd), cfg, insecure=insecure, public_read=public_read)
     asyncio.run(_check_reachable(etcd))  # fail fast, with the store's message
     uvicorn.run(app, host=bind, port=port, log_level="warning")
 

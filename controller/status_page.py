@@ -1,9 +1,17 @@
 """The controller's live status page, ``GET /``: one self-contained HTML page (no external assets).
 
-The page is rendered here, from one etcd read and what the leading term measures (live ETTR
-and the step rate, ``LiveEttr``), with every value escaped; a small inline script re-fetches the
-page every second and swaps in its ``#live`` part, so there is a single renderer and the page
-also works without JavaScript. ``render_page`` is pure: the route gathers, it renders.
+The page is rendered here, from one etcd read and what the leading term measures (live ETTR,
+the step rate and its history, the epochs of the term: ``controller.views.Progress``), with
+every value escaped and the charts drawn as inline SVG (``controller.svg``); a small inline
+script re-fetches the page every second and swaps in its ``#live`` part, so there is a single
+renderer and the page also works without JavaScript (where reads are public). ``render_page`` is
+pure: the route gathers, it renders.
+
+The page is part of the API, behind the job's token. A browser cannot send a bearer header with
+a navigation, so a request without the token gets a sign-in page (401, no job data): its script
+takes the token from the address's fragment (``/#token=...``, which the browser never sends) or
+from a form, keeps it in the tab's ``sessionStorage`` and sends it with each refresh. A
+controller started with ``--public-read`` serves the page to anyone.
 
 At thousands of replicas the page stays short: past ``MAX_REPLICA_ROWS`` the table lists only
 the replicas that are not members (a count per state says the rest), and the joiners, failures
@@ -14,21 +22,23 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from html import escape
 from string import Template
 from typing import Any, Iterable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import HTMLResponse
+from starlette.exceptions import HTTPException
 
+from controller import svg
 from controller.leader import LeaderConfig, LiveTerm
+from controller.views import (NUM_FAILURES_SHOWN, NUM_RATE_POINTS, Progress, build_job_view,
+                              recent_failures)
 from ftsystem.chaos.spec import Order, read_orders
 from ftsystem.control import keys
 from ftsystem.control.store import Store
-from ftsystem.measure.ettr import LiveEttr
 
-NUM_FAILURES_SHOWN = 20
 NUM_JOINERS_SHOWN = 50
 NUM_ORDERS_SHOWN = 20
 MAX_REPLICA_ROWS = 200
@@ -48,22 +58,83 @@ th { color: #5b6475; font-weight: 600 } td.num { font-variant-numeric: tabular-n
 .state-catching_up, .state-starting { background: #fbeec4 }
 .state-restarting { background: #f9d0cc } .paused { color: #b3261e; font-weight: 600 }
 #stale { background: #f9d0cc; padding: .3em .6em }
+#sign-in { background: #f4f6f9; padding: .6em .8em; margin: 0 0 1em }
 .figure { font-size: 1.3em; font-weight: 600; font-variant-numeric: tabular-nums }
 .outcome-done { color: #1b6e33 } .outcome-failed { color: #b3261e }
+.charts { display: flex; gap: 2.5em; flex-wrap: wrap; align-items: flex-start }
+.charts h3 { font-size: .95em; margin: .6em 0 .3em; color: #5b6475; font-weight: 600 }
+svg.bar { vertical-align: middle; margin-right: .5em }
 </style></head>
 <body data-refreshes="0">
 <p id="stale" hidden></p>
-<div id="live">
-<h1>job <span id="job">$job</span></h1>
+<form id="sign-in" $sign_in_hidden><label>job token <input name="token" type="password"
+autocomplete="off" size="34"></label> <button>show the job</button>
+<span class="muted">kept in this tab only; or open this page as /#token=&lt;token&gt;, or start
+the controller with --public-read</span></form>
+<div id="live"$signed_out>
+$live
+</div>
+<script>
+const stale = document.getElementById("stale");
+const signIn = document.getElementById("sign-in");
+const TOKEN = "ftsystem-token";
+const given = new URLSearchParams(location.hash.slice(1)).get("token");
+if (given) {  // taken from the fragment (never sent to a server), then out of the address bar
+  sessionStorage.setItem(TOKEN, given);
+  history.replaceState(null, "", location.pathname + location.search);
+}
+function problem(text) {
+  stale.textContent = text;
+  stale.hidden = false;
+}
+async function refresh() {
+  const token = sessionStorage.getItem(TOKEN);
+  const signedOut = document.getElementById("live").dataset.signedOut === "1";
+  if (signedOut && !token) return;
+  try {
+    const response = await fetch(location.pathname, {cache: "no-store",
+      headers: token ? {Authorization: "Bearer " + token} : {}});
+    if (response.status === 401) {
+      signIn.hidden = false;
+      throw new Error(token ? "the token was refused: enter the job's token"
+                            : "this controller needs the job's token");
+    }
+    if (!response.ok) throw new Error("HTTP " + response.status);
+    const page = new DOMParser().parseFromString(await response.text(), "text/html");
+    document.getElementById("live").replaceWith(page.getElementById("live"));
+    document.body.dataset.refreshes = Number(document.body.dataset.refreshes) + 1;
+    signIn.hidden = true;
+    stale.hidden = true;
+  } catch (e) {
+    problem("not updating (" + e.message + "); showing the last data received");
+  }
+}
+signIn.addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(TOKEN, signIn.elements.token.value.trim());
+  signIn.reset();
+  refresh();
+});
+if (document.getElementById("live").dataset.signedOut === "1") refresh();
+setInterval(refresh, 1000);
+</script>
+</body></html>
+""")
+
+LIVE = Template("""<h1>job <span id="job">$job</span></h1>
 <p class="muted">controller $instance &middot; leader $leader &middot; rendered $now UTC</p>
 <h2>epoch <span id="epoch">$epoch</span> $paused</h2>
 <p>members: <span id="members">$members</span><br><span class="muted">$epoch_info</span></p>
 <h2>progress</h2>
 <p id="progress">$progress</p>
+<div class="charts">
+<div><h3>step rate$window</h3>$sparkline</div>
+<div><h3>epochs of this leader's term: members (failures dashed)</h3>$timeline</div>
+</div>
 <h2>replicas</h2>
 <p class="muted" id="replica-counts">$replica_counts</p>
-<table id="replicas"><tr><th>id</th><th>state</th><th>step</th><th>generation</th>
-<th>restarts</th><th>host</th></tr>
+<table id="replicas"><tr><th>id</th><th>state</th><th>progress</th><th>step</th>
+<th>generation</th><th>restarts</th><th>host</th></tr>
 $replicas</table>
 <h2>catching up ($num_joiners)</h2>
 <table id="joiners"><tr><th>replica</th><th>donor</th><th>its step</th><th>donor's step</th>
@@ -76,67 +147,43 @@ $failures</table>
 <h2>chaos orders ($chaos_counts)</h2>
 <table id="chaos"><tr><th>time (UTC)</th><th>order</th><th>action</th><th>target</th>
 <th>state</th><th>outcome</th></tr>
-$orders</table>
-</div>
-<script>
-const stale = document.getElementById("stale");
-setInterval(async () => {
-  try {
-    const response = await fetch(location.pathname, {cache: "no-store"});
-    if (!response.ok) throw new Error("HTTP " + response.status);
-    const page = new DOMParser().parseFromString(await response.text(), "text/html");
-    document.getElementById("live").replaceWith(page.getElementById("live"));
-    document.body.dataset.refreshes = Number(document.body.dataset.refreshes) + 1;
-    stale.hidden = true;
-  } catch (e) {
-    stale.textContent = "not updating (" + e.message + "); showing the last data received";
-    stale.hidden = false;
-  }
-}, 1000);
-</script>
-</body></html>
-""")
+$orders</table>""")
 
 
-@dataclass(frozen=True, slots=True)
-class Progress:
-    """What the leading term measured from the replicas' step reports (``LiveEttr``)."""
+def install_status_page(app: FastAPI, api: APIRouter, store: Store, cfg: LeaderConfig,
+                        term: LiveTerm) -> None:
+    """``GET /`` on the API router (behind the token), and the sign-in page as its 401."""
 
-    ettr_work: float | None
-    ettr_time: float | None
-    step_rate: float | None
-    """Job steps per second over the last ``window_s``."""
-    window_s: float
-    measured_s: float | None
-    """How long the term has measured (it starts over with each new leader)."""
-
-    @classmethod
-    def of(cls, live: LiveEttr, now: float) -> "Progress":
-        values = live.values(now)
-        return cls(ettr_work=values["ettr_work"], ettr_time=values["ettr_time"],
-                   step_rate=live.step_rate(now), window_s=live.rate_window_s,
-                   measured_s=live.measured_s)
-
-
-def status_router(store: Store, cfg: LeaderConfig, term: LiveTerm | None = None) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/", response_class=HTMLResponse, summary="Live status page (HTML)")
+    @api.get("/", response_class=HTMLResponse, summary="Live status page (HTML)",
+             responses={401: {"content": {"text/html": {}},
+                              "description": "the sign-in page: no token, or another"}})
     async def status_page() -> str:
         items, _ = await store.get_prefix(keys.job(cfg.job) + "/")
         now = time.time()
-        live = term.ettr if term is not None else None
         return render_page(cfg.job, items, instance=cfg.instance_id, now=now,
-                           progress=Progress.of(live, now) if live is not None else None)
+                           progress=Progress.of(term, now))
 
-    return router
+    @app.exception_handler(HTTPException)
+    async def sign_in_at_the_page(request: Request, exc: HTTPException):
+        if exc.status_code == 401 and request.url.path == "/":
+            return HTMLResponse(sign_in_page(cfg.job), status_code=401, headers=exc.headers)
+        return await http_exception_handler(request, exc)
+
+
+def sign_in_page(job: str) -> str:
+    """The page without any of the job's data, its form shown: what a request without the
+    token gets at ``/``."""
+    live = (f'<h1>job <span id="job">{_e(job)}</span></h1><p>This controller shows the job '
+            "only to a holder of the job's token: enter it above (or open this page as "
+            "<code>/#token=&lt;token&gt;</code>).</p>")
+    return PAGE.substitute(job=_e(job), live=live, signed_out=' data-signed-out="1"',
+                           sign_in_hidden="")
 
 
 def render_page(job: str, items: dict[str, bytes], *, instance: str, now: float,
                 progress: Progress | None = None) -> str:
     """Pure: the status page of ``job`` from its etcd keys and, on the leading controller,
     what its term measures (``progress``; None elsewhere)."""
-    from controller.app import build_job_view  # not at the top: app.py imports this module
     view = build_job_view(job, items)
     epoch, spec = view["epoch"], view["spec"] or {}
     members = set(epoch["members"])
@@ -146,7 +193,8 @@ def render_page(job: str, items: dict[str, bytes], *, instance: str, now: float,
     shown = view["replicas"]
     if len(shown) > MAX_REPLICA_ROWS:
         shown = [r for r in shown if r["state"] != "member"][:MAX_REPLICA_ROWS]
-    return PAGE.substitute(
+    total = _total_steps(spec, view["replicas"])
+    live = LIVE.substitute(
         job=_e(job), instance=_e(instance), leader=_e(view["leader"] or "none"),
         now=_e(_clock(now)), epoch=_e(epoch["number"]),
         paused='<span class="paused">PAUSED</span>' if epoch.get("paused") else "",
@@ -155,26 +203,59 @@ def render_page(job: str, items: dict[str, bytes], *, instance: str, now: float,
                       f"replicas, min {spec.get('min_replicas', '?')}, "
                       f"{spec.get('num_steps', '?')} steps"),
         progress=_progress(progress, view["leader"], instance),
+        window=f", last {_span(now - _rate_start(progress, now))}" if progress else "",
+        sparkline=_sparkline(progress, now),
+        timeline=_timeline(progress, failures, now, spec),
         replica_counts=_e(_replica_counts(view["replicas"], len(shown))),
-        replicas="\n".join(_replica_row(r, r["id"] in members) for r in shown),
+        replicas="\n".join(_replica_row(r, r["id"] in members, total) for r in shown),
         num_joiners=_e(_shown_of(NUM_JOINERS_SHOWN, len(joiners))),
         joiners=_rows(map(_joiner_row, joiners[:NUM_JOINERS_SHOWN]), 6, "none"),
         num_failures=_e(len(failures)),
         failures="\n".join(_failure_row(f, now) for f in failures[:NUM_FAILURES_SHOWN]),
         chaos_counts=_e(_chaos_counts(orders)),
         orders=_rows((_order_row(o, now) for o in recent_orders(orders, now)), 6, "none"))
+    return PAGE.substitute(job=_e(job), live=live, signed_out="", sign_in_hidden="hidden")
 
 
-def recent_failures(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
-    """Pure: the job's failure records, newest first, each with its replica and generation."""
-    prefix = keys.failures(job)
-    failures = []
-    for key, value in items.items():
-        if key.startswith(prefix):
-            rid, _, generation = key[len(prefix):].partition("/")
-            failures.append({"replica": rid, "generation": generation.lstrip("0") or "0",
-                             **json.loads(value)})
-    return sorted(failures, key=lambda f: f["time"], reverse=True)
+def _total_steps(spec: dict[str, Any], replicas: list[dict[str, Any]]) -> int | None:
+    """What a replica's bar is measured against: the spec's steps, else the job's furthest
+    replica (the bars then show who lags)."""
+    if isinstance(spec.get("num_steps"), int):
+        return spec["num_steps"]
+    steps = [r["step"] for r in replicas if isinstance(r["step"], int)]
+    return max(steps, default=None)
+
+
+def _rate_start(progress: Progress, now: float) -> float:
+    """Where the sparkline starts: the rate window's start, or the term's first interval when
+    the term is younger (a new leader's line fills the chart)."""
+    first = progress.rates[0][0] - progress.window_s / NUM_RATE_POINTS if progress.rates else now
+    return max(now - progress.window_s, min(first, now - 1.0))
+
+
+def _sparkline(progress: Progress | None, now: float) -> str:
+    if progress is None:
+        return '<p class="muted">measured by the leading controller</p>'
+    return svg.sparkline(progress.rates, start=_rate_start(progress, now), end=now,
+                         element_id="rate-sparkline")
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def _timeline(progress: Progress | None, failures: list[dict[str, Any]], now: float,
+              spec: dict[str, Any]) -> str:
+    if progress is None:
+        return '<p class="muted">measured by the leading controller</p>'
+    steps = [(m.time, m.num_members, f"epoch {m.number}: {m.num_members} members, "
+              f"{m.reason or '-'}{', PAUSED' if m.paused else ''}", m.paused)
+             for m in progress.epochs]
+    start = steps[0][0] if steps else now
+    capacity = spec.get("replicas") if isinstance(spec.get("replicas"), int) else 0
+    return svg.step_timeline(steps, [f["time"] for f in failures], start=start, end=now,
+                             capacity=capacity, start_label=f"{_clock(start)} UTC",
+                             end_label="now", element_id="epoch-timeline")
 
 
 def catching_up(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
@@ -298,10 +379,13 @@ def _order_row(order: Order, now: float) -> str:
             f'<td>{_e(order.outcome or "")}</td></tr>')
 
 
-def _replica_row(replica: dict[str, Any], member: bool) -> str:
+def _replica_row(replica: dict[str, Any], member: bool, total: int | None) -> str:
     state = _e(replica["state"])
+    step = replica["step"] if isinstance(replica["step"], int) else None
+    label = f"step {'-' if step is None else step} of {'-' if total is None else total}"
     return (f'<tr data-replica="{_e(replica["id"])}"><td class="{"member" if member else ""}">'
             f'{_e(replica["id"])}</td><td><span class="state state-{state}">{state}</span></td>'
+            f'<td class="bar">{svg.bar(step, total, label=label)}</td>'
             f'<td class="num">{_e(replica["step"])}</td>'
             f'<td class="num">{_e(replica["generation"])}</td>'
             f'<td class="num">{_e(replica["restarts"])}</td><td>{_e(replica["host"])}</td></tr>')

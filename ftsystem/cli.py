@@ -152,14 +152,18 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
                host: Optional[str] = typer.Option(None, hidden=True,
                                                   help="old: --bind and --advertise-address"),
                insecure: bool = typer.Option(False, help="serve without an API token: anyone "
-                                             "who reaches the port may POST (chaos)"),
+                                             "who reaches the port may read and POST (chaos)"),
+               public_read: bool = typer.Option(False, help="serve GET and HEAD (the job's "
+                                                "state, the status page, /metrics) without "
+                                                "the token; mutations still need it"),
                min_replicas: Optional[int] = typer.Option(
                    None, hidden=True, help="old: the job's spec sets it (ftsystem job create)"),
                instance_id: Optional[str] = typer.Option(None, help="name in leader election"),
                etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
                etcd_key: Optional[Path] = ETCD_KEY) -> None:
     """Run a controller instance: leader election, membership epochs, REST API, /metrics.
-    Mutating requests need FTSYSTEM_API_TOKEN (or FTSYSTEM_API_TOKEN_FILE), unless --insecure."""
+    Every request but /healthz and /readyz needs the job's token, FTSYSTEM_API_TOKEN (or
+    FTSYSTEM_API_TOKEN_FILE), unless --insecure; reads need none with --public-read."""
     from controller.main import serve
     from ftsystem.control.addresses import default_advertise_address
     from ftsystem.control.store import parse_endpoints
@@ -178,7 +182,7 @@ def controller(etcd: str = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP),
     try:
         serve(etcd=etcd, job=job, port=port, bind=host or bind,
               advertise_address=host or advertise_address or default_advertise_address(),
-              instance_id=instance_id, insecure=insecure)
+              instance_id=instance_id, insecure=insecure, public_read=public_read)
     except (StoreError, ValueError) as e:  # AuthConfigError, a malformed FTSYSTEM_CHAOS_RATE
         raise _fail(str(e))
 
@@ -416,8 +420,10 @@ SUBCOMMAND_MODULES = (
     "ftsystem.benchmarks.controller.command", "ftsystem.benchmarks.failover",
     "ftsystem.benchmarks.overhead", "ftsystem.benchmarks.rejoin", "ftsystem.benchmarks.ettr_bench",
     "ftsystem.benchmarks.gradsum", "ftsystem.benchmarks.soak", "ftsystem.benchmarks.fingerprint",
-    "ftsystem.sim.ettr_cli", "ftsystem.halos.cli", "ftsystem.control.jobs_cli")
-"""Modules that register their sub-commands (``bench``, ``sim``, ``halos``, ``job``) on the apps
+    "ftsystem.sim.ettr_cli", "ftsystem.halos.cli", "ftsystem.control.jobs_cli",
+    "ftsystem.control.status_cli")
+"""Modules that register their sub-commands (``bench``, ``sim``, ``halos``, ``job``, ``status``,
+``watch``) on the apps
 above when imported. Together they import numpy, the launcher and the simulators: 0.3 s of CPU."""
 LEAN_COMMANDS = frozenset({"etcd", "controller", "agent", "run", "chaos"})
 """The commands of this module, which need none of those: ``main`` skips them there. An agent

@@ -73,8 +73,8 @@ def serving(url: str) -> bool:
 
 @contextlib.contextmanager
 def controller_process(etcd_url: str, job: str, log_dir: Path,
-                       env: dict[str, str] | None = None, *, insecure: bool = False
-                       ) -> Iterator[str]:
+                       env: dict[str, str] | None = None, *, insecure: bool = False,
+                       public_read: bool = False) -> Iterator[str]:
     """A real ``ftsystem controller`` for ``job``; yields its base URL once it serves. Its API
     token is ``API_TOKEN`` unless ``env`` configures another."""
     port = free_port()
@@ -82,7 +82,8 @@ def controller_process(etcd_url: str, job: str, log_dir: Path,
         proc = subprocess.Popen([sys.executable, "-m", "ftsystem.cli", "controller", "--etcd",
                                  etcd_url, "--job", job, "--port", str(port),
                                  "--bind", "127.0.0.1", "--advertise-address", "127.0.0.1",
-                                 *(["--insecure"] if insecure else [])],
+                                 *(["--insecure"] if insecure else []),
+                                 *(["--public-read"] if public_read else [])],
                                 env={**os.environ, "FTSYSTEM_API_TOKEN": API_TOKEN, **(env or {})},
                                 stdout=log,
                                 stderr=subprocess.STDOUT)

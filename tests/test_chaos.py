@@ -188,7 +188,8 @@ def test_chaos_api_needs_the_token_and_validates(secured_controller, etcd, job_i
             **good, "content-type": "application/json"}).status_code == 400
     created = httpx.post(url, json=spec, headers=good)
     assert created.status_code == 201 and len(created.json()["orders"]) == 1
-    listed = httpx.get(url).json()["orders"]
+    assert httpx.get(url).status_code == 401  # reads need the token too
+    listed = httpx.get(url, headers=good).json()["orders"]
     assert [(o["action"], o["replica"], o["state"]) for o in listed] == [("hang", "r0", "pending")]
     codes = [httpx.post(url, json=spec, headers=good).status_code for _ in range(12)]
     assert 429 in codes  # the rate limit: 10 orders a minute
@@ -206,10 +207,11 @@ def test_a_malformed_order_written_to_etcd_is_skipped_not_fatal(secured_controll
     url = f"{secured_controller}/v1/jobs/{job_id}/chaos"
     spec = {"action": "hang", "duration": "1s", "schedule": "@every 1h", "horizon": "1h"}
     assert httpx.post(url, json=spec, headers={"Authorization": "Bearer s3cret"}).status_code == 201
-    listed = httpx.get(url)
+    auth = {"Authorization": "Bearer s3cret"}
+    listed = httpx.get(url, headers=auth)
     assert listed.status_code == 200, listed.text
     assert [o["action"] for o in listed.json()["orders"]] == ["hang"]
-    page = httpx.get(f"{secured_controller}/")
+    page = httpx.get(f"{secured_controller}/", headers=auth)
     assert page.status_code == 200 and "hang" in page.text
     orders = read_orders({"a": b"not json", "b": b"[1, 2]", "c": b'{"id": "x"}'})
     assert orders == []

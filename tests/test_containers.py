@@ -234,6 +234,7 @@ class ComposeJob:
     podman: Podman
     api: str
     job: str
+    token: str
     names: dict[str, str] = field(default_factory=dict)
 
     def container(self, service: str) -> str:
@@ -246,7 +247,8 @@ class ComposeJob:
 
     def state(self) -> dict | None:
         try:
-            return httpx.get(f"{self.api}/v1/jobs/{self.job}", timeout=3).json()
+            return httpx.get(f"{self.api}/v1/jobs/{self.job}", timeout=3,
+                             headers={"Authorization": f"Bearer {self.token}"}).json()
         except (httpx.HTTPError, ValueError):
             return None
 
@@ -277,11 +279,11 @@ def compose_job(podman, images, tmp_path):
     files = [*COMPOSE_FILES, shortened(tmp_path / "compose.test.yaml")]
     compose = [sys.executable, "-m", "podman_compose", "-p", PROJECT,
                *(a for f in files for a in ("-f", str(f)))]
-    env = podman.env | {"FTSYSTEM_API_TOKEN": secrets.token_hex(16),
-                        "FTSYSTEM_ETCD_IMAGE": IMAGES["etcd-debian"]}
+    token = secrets.token_hex(16)
+    env = podman.env | {"FTSYSTEM_API_TOKEN": token, "FTSYSTEM_ETCD_IMAGE": IMAGES["etcd-debian"]}
     base = load_compose(COMPOSE_FILES[0])["services"]
     api = "http://" + base["controller"]["ports"][0].rsplit(":", 1)[0]
-    job = ComposeJob(podman, api, base["job"]["command"][1])
+    job = ComposeJob(podman, api, base["job"]["command"][1], token)
     try:
         up = subprocess.run([*compose, "up", "--detach", "--no-build", *SERVICES], env=env,
                             capture_output=True, text=True, timeout=STARTUP_S)

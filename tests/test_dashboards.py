@@ -81,8 +81,13 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
     if not PROMETHEUS.exists():
         pytest.skip(f"{PROMETHEUS} is not installed")
     controller = free_port()
+    # The job's token, which discovery and the controller's /metrics need: the run writes its
+    # own there as it starts (promtool wants the file to exist before).
+    token_file = tmp_path / "run" / "api-token"
+    token_file.parent.mkdir()
+    token_file.write_text("not yet")
     config = write_prometheus_config(tmp_path, f"http://127.0.0.1:{controller}/v1/sd/prometheus",
-                                     etcd.url)
+                                     etcd.url, token_file)
     checked = subprocess.run([shutil.which("promtool") or "/usr/bin/promtool", "check",
                               "config", str(config)], check=False, capture_output=True,
                              text=True)
@@ -193,17 +198,20 @@ def start_prometheus(config: Path, directory: Path, url: str) -> subprocess.Pope
             stdout=log, stderr=subprocess.STDOUT)
 
 
-def write_prometheus_config(directory: Path, discovery_url: str, etcd_url: str) -> Path:
-    """The job through the controller's discovery, etcd (as scrape job ``ETCD_JOB``), and the
-    committed rules (evaluated every second, so that the recording rules have data within the
-    run)."""
+def write_prometheus_config(directory: Path, discovery_url: str, etcd_url: str,
+                            token_file: Path) -> Path:
+    """The job through the controller's discovery, with the job's token (``token_file``), etcd
+    (as scrape job ``ETCD_JOB``), and the committed rules (evaluated every second, so that the
+    recording rules have data within the run)."""
     path = directory / "prometheus.yml"
+    token = {"type": "Bearer", "credentials_file": str(token_file)}
     path.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(DASHBOARDS / name) for name in RULE_FILES],
         "scrape_configs": [
-            {"job_name": "ftsystem", "honor_labels": True, "http_sd_configs": [
-                {"url": discovery_url, "refresh_interval": "1s"}]},
+            {"job_name": "ftsystem", "honor_labels": True, "authorization": token,
+             "http_sd_configs": [
+                 {"url": discovery_url, "refresh_interval": "1s", "authorization": token}]},
             {"job_name": ETCD_JOB, "static_configs": [
                 {"targets": [etcd_url.removeprefix("http://")]}]}],
     }))

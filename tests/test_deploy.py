@@ -391,14 +391,26 @@ def test_compose_controller_requires_an_api_token():
         interpolate(environment[ENV_TOKEN], {})
 
 
-def test_prometheus_config_discovers_through_the_controller():
+def test_prometheus_config_discovers_through_the_controller(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
-    done = subprocess.run([promtool, "check", "config", str(DOCKER / "prometheus.yml")],
-                          capture_output=True, text=True)
+    config = local_prometheus_config(tmp_path, (DOCKER / "prometheus.yml").read_text())
+    done = subprocess.run([promtool, "check", "config", str(config)], capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     services = compose()["services"]
+    # Discovery and scrapes carry the job's token, from the file Prometheus's entrypoint
+    # writes from FTSYSTEM_API_TOKEN.
+    (ftsystem,) = [job for job in prometheus_config()["scrape_configs"]
+                   if "http_sd_configs" in job]
+    token_file = ftsystem["authorization"]["credentials_file"]
+    assert ftsystem["authorization"]["type"] == "Bearer"  # Prometheus 2.42's http_sd omits it
+    assert all(sd["authorization"] == {"type": "Bearer", "credentials_file": token_file}
+               for sd in ftsystem["http_sd_configs"])
+    prometheus = services["prometheus"]
+    assert f">{token_file} " in prometheus["entrypoint"][2]
+    assert "FTSYSTEM_API_TOKEN" in prometheus["environment"]
     argv = compose_argv(services["controller"])
     urls = [sd["url"] for job in prometheus_config()["scrape_configs"]
             for sd in job.get("http_sd_configs", [])]
@@ -411,6 +423,15 @@ def test_prometheus_config_discovers_through_the_controller():
 
 def prometheus_config() -> dict:
     return yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+
+
+def local_prometheus_config(directory: Path, text: str) -> Path:
+    """A Prometheus config of ``text`` in ``directory``, its token file (where the compose
+    container's entrypoint writes it) moved there too, with the job's token."""
+    (directory / "api-token").write_text(API_TOKEN)
+    path = directory / "prometheus.yml"
+    path.write_text(text.replace("/prometheus/api-token", str(directory / "api-token")))
+    return path
 
 
 def test_grafana_mounts_match_the_provisioning():
@@ -562,19 +583,21 @@ def test_compose_controller_runs_with_its_image_dependencies_only(compose_contro
     base = f"http://{compose_controller['address']}"
     health = httpx.get(f"{base}/healthz").json()
     assert health["status"] == "ok" and health["job"] == compose_controller["job"]
-    groups = wait_for(lambda: httpx.get(f"{base}/v1/sd/prometheus").json(), 10,
+    auth = {"Authorization": f"Bearer {API_TOKEN}"}
+    assert httpx.get(f"{base}/v1/sd/prometheus").status_code == 401
+    groups = wait_for(lambda: httpx.get(f"{base}/v1/sd/prometheus", headers=auth).json(), 10,
                       "the controller to list itself for discovery")
     assert isinstance(groups, list)
     assert {"targets": [compose_controller["address"]], "labels": {
         "job": compose_controller["job"], "component": "controller",
         "instance_id": "controller-0"}} in groups
-    assert httpx.get(f"{base}/metrics").status_code == 200
+    assert httpx.get(f"{base}/metrics", headers=auth).status_code == 200
     chaos = f"{base}/v1/jobs/{compose_controller['job']}/chaos"
     assert httpx.post(chaos, json={}).status_code == 401
     # The token is taken; the (empty) spec is then refused, so nothing is injected.
     refused = httpx.post(chaos, json={}, headers={"Authorization": f"Bearer {API_TOKEN}"})
     assert refused.status_code in (400, 422), refused.text
-    assert httpx.get(chaos).json()["orders"] == []
+    assert httpx.get(chaos, headers=auth).json()["orders"] == []
     healthcheck = compose()["services"]["controller"]["healthcheck"]["test"]
     assert healthcheck[:2] == ["CMD", "python"]
     probe = [localize(a, {"controller:8080": compose_controller["address"]})
@@ -594,8 +617,7 @@ def test_prometheus_scrapes_what_the_controller_lists(compose_controller, tmp_pa
         for sd in job.get("http_sd_configs", []):
             sd["refresh_interval"] = "1s"
     listen = f"127.0.0.1:{free_port()}"
-    path = tmp_path / "prometheus.yml"
-    path.write_text(localize(yaml.safe_dump(config), {
+    path = local_prometheus_config(tmp_path, localize(yaml.safe_dump(config), {
         "controller:8080": compose_controller["address"], "localhost:9090": listen,
         "etcd:2379": compose_controller["etcd"].url.removeprefix("http://")}))
     with open(tmp_path / "prometheus.log", "wb") as log:
@@ -639,6 +661,12 @@ def k8s_documents() -> list[dict]:
 
 def k8s(kind: str) -> list[dict]:
     return [doc for doc in k8s_documents() if doc["kind"] == kind]
+
+
+def agent_jobs() -> list[dict]:
+    """The agents' Jobs (one per replica), not the one that creates the job's spec."""
+    return [job for job in k8s("Job")
+            if job["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"]
 
 
 def pod_owners() -> list[dict]:
@@ -699,7 +727,7 @@ def test_k8s_agents_manifest_is_what_the_script_renders():
 
 
 def test_k8s_one_indexed_job_per_replica():
-    jobs = k8s("Job")
+    jobs = agent_jobs()
     defaults = render_script().DEFAULTS
     assert len(jobs) == defaults["replicas"] >= 2
     replicas = [check_replica_job(job) for job in jobs]
@@ -867,7 +895,7 @@ def test_k8s_manifests_validate_against_the_schemas(version):
 
 def test_k8s_schema_validation_rejects_unknown_fields():
     """The strict schemas are what catches a misspelt field (which kubectl would drop)."""
-    job = k8s("Job")[0]
+    job = agent_jobs()[0]
     pod = job["spec"]["template"]["spec"]
     typo = job | {"spec": job["spec"] | {"template": {"metadata": {}, "spec": pod | {
         "restartPolicyy": "Never"}}}}
@@ -928,7 +956,7 @@ def test_k8s_controller_probes_liveness_and_readiness():
 
 def test_k8s_agent_commands_are_ftsystem_commands(monkeypatch):
     shards = {}
-    for job in k8s("Job"):
+    for job in agent_jobs():
         (container,) = job["spec"]["template"]["spec"]["containers"]
         entrypoint = image_argv(container["image"].split(":")[0].removeprefix("ftsystem-"))[0]
         for index in range(job["spec"]["completions"]):

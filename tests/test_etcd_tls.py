@@ -120,15 +120,18 @@ def test_certificate_settings_that_cannot_work_are_named_before_connecting(certs
 
 
 def test_ftsystem_commands_take_the_certificates_and_say_what_is_missing(
-        tls_etcd, certs, no_tls_env):
+        tls_etcd, certs, no_tls_env, tmp_path):
+    # `chaos apply` writes to etcd itself (jobs go through the controller's API).
+    spec = tmp_path / "kill.yaml"
+    spec.write_text("action: kill\nselector: {replicas: [r0]}\n")
+    apply = ["chaos", "apply", str(spec), "--job", "tls-cli", "--etcd", tls_etcd.url]
     runner = CliRunner()
-    result = runner.invoke(app, ["job", "list", "--etcd", tls_etcd.url, "--etcd-ca",
-                                 str(certs.ca)])
+    result = runner.invoke(app, [*apply, "--etcd-ca", str(certs.ca)])
     assert result.exit_code == 2 and "FTSYSTEM_ETCD_CERT" in result.output, result.output
-    result = runner.invoke(app, ["job", "list", "--etcd", tls_etcd.url, "--etcd-ca",
-                                 str(certs.ca), "--etcd-cert", str(certs.client_cert)])
+    result = runner.invoke(app, [*apply, "--etcd-ca", str(certs.ca),
+                                 "--etcd-cert", str(certs.client_cert)])
     assert result.exit_code == 2 and "--etcd-key" in result.output.replace("\n", " ")
-    result = runner.invoke(app, ["job", "list", "--etcd", tls_etcd.url], env={
+    result = runner.invoke(app, apply, env={
         "FTSYSTEM_ETCD_CA": str(certs.ca), "FTSYSTEM_ETCD_CERT": str(certs.client_cert),
         "FTSYSTEM_ETCD_KEY": str(certs.client_key)})
     assert result.exit_code == 0, result.output

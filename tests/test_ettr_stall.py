@@ -270,6 +270,40 @@ def test_live_step_rate_covers_the_recent_window_and_falls_during_a_stall():
     assert young.step_rate(103.0) == pytest.approx(2.0)
 
 
+def test_the_rate_history_shows_a_stall_where_it_happened():
+    live = LiveEttr(num_replicas=1, rate_window_s=10.0)
+    assert live.rate_series(5.0) == []
+    for t in range(21):  # 10 steps/s, a report a second, then nothing from t=20 (a stall)
+        live.observe("a", 10 * t, True, float(t))
+    series = live.rate_series(25.0, num_points=5)  # 2 s intervals over [15, 25]
+    assert [t for t, _ in series] == [17.0, 19.0, 21.0, 23.0, 25.0]
+    assert [rate for _, rate in series] == pytest.approx([10.0, 10.0, 5.0, 0.0, 0.0])
+    young = LiveEttr(num_replicas=1, rate_window_s=10.0)  # nothing before its first report
+    young.observe("a", 0, True, 100.0)
+    young.observe("a", 8, True, 104.0)
+    assert young.rate_series(105.0, num_points=5) == [(103.0, 0.0), (105.0, 4.0)]
+
+
+def test_the_timeline_draws_members_in_whole_replicas_and_each_survivors_commit_gaps():
+    pytest.importorskip("matplotlib")
+    from ftsystem.measure.timeline import commit_gaps, figure
+    steady = [(step, 100.0 + 0.1 * step) for step in range(30)]
+    stalled = steady[:10] + [(step, t + 0.4) for step, t in steady[10:]]  # 0.4 s at step 10
+    results = {"r0": {"commits": stalled, "epochs": [{"time": 100.0, "members": ["r0", "r1"]},
+                                                     {"time": 101.0, "members": ["r0"]}]},
+               "r1": {"commits": steady[:10], "epochs": []}}
+    failures = [{"replica": "r1", "step": 9, "time": 100.95}]
+    gaps = commit_gaps(results, 100.0, {"r1"})
+    assert list(gaps) == ["r0"] and len(gaps["r0"]) == 29  # survivors only, one per commit
+    assert max(gaps["r0"], key=lambda g: g[1]) == pytest.approx((1.4, 0.5))
+    fig = figure(results, failures)
+    _, members_ax, gap_ax = fig.axes
+    assert members_ax.get_ylim()[0] == 0
+    assert all(float(t).is_integer() for t in members_ax.get_yticks())
+    (line,) = [line for line in gap_ax.lines if line.get_label() == "r0"]
+    assert max(line.get_ydata()) == pytest.approx(0.5)  # the sub-second stall stands out
+
+
 def test_a_run_reports_the_stall_of_a_kill_and_a_hang_from_their_instants(tmp_path):
     """End to end: the run's summary measures each fault from the execution of its chaos order,
     so a stall includes the detection in front of it: for the hang, the watchdog (a third of

@@ -82,7 +82,8 @@ def test_controller_leader_killed_while_training(etcd, job_id, tmp_path):
     runner.start()
     try:
         leader = wait_for(lambda: _leader(ports), 60, "a leader")
-        wait_for(lambda: _max_step(leader, job_id) >= 40, 120, "training underway")
+        token = wait_for(lambda: _run_token(tmp_path), 60, "the run's token")
+        wait_for(lambda: _max_step(leader, job_id, token) >= 40, 120, "training underway")
         pid = httpx.get(f"http://127.0.0.1:{leader}/healthz").json()["pid"]
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -97,6 +98,12 @@ def test_controller_leader_killed_while_training(etcd, job_id, tmp_path):
     assert any(killed_at < t < took_over_at for _, t in r0), "training stopped without a leader"
 
 
+def _run_token(out_dir) -> str | None:
+    """The token ``ftsystem run`` made for its controllers (``OUT/api-token``)."""
+    path = out_dir / "api-token"
+    return path.read_text() if path.exists() else None
+
+
 def _leader(ports: list[int]) -> int | None:
     """The port of the leading controller among ``ports``."""
     for port in ports:
@@ -108,9 +115,10 @@ def _leader(ports: list[int]) -> int | None:
     return None
 
 
-def _max_step(port: int, job: str) -> int:
+def _max_step(port: int, job: str, token: str) -> int:
     try:
-        view = httpx.get(f"http://127.0.0.1:{port}/v1/jobs/{job}", timeout=2).json()
+        view = httpx.get(f"http://127.0.0.1:{port}/v1/jobs/{job}", timeout=2,
+                         headers={"Authorization": f"Bearer {token}"}).json()
     except httpx.HTTPError:
         return 0
     return max((r["step"] or 0 for r in view["replicas"]), default=0)

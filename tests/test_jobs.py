@@ -89,7 +89,8 @@ def _terms(log: Path) -> int:
 
 
 def _work_ettr(api: httpx.Client, job: str) -> float | None:
-    found = re.search(rf'ftsystem_ettr{{job="{job}",kind="work"}} (\S+)', api.get("/metrics").text)
+    text = api.get("/metrics", headers=AUTH).text
+    found = re.search(rf'ftsystem_ettr{{job="{job}",kind="work"}} (\S+)', text)
     return float(found.group(1)) if found else None
 
 
@@ -101,12 +102,13 @@ def test_rest_lifecycle_the_leader_waits_and_ettr_uses_the_spec(etcd, job_id, tm
         url = f"/v1/jobs/{job_id}"
         # The leader waits for the spec: a ready replica, and no epoch.
         wait_for(lambda: _waits(log), 60, "the leader to say it waits for the spec")
-        assert _epoch(etcd.url, job_id) is None and api.get(url).json()["spec"] is None
+        assert _epoch(etcd.url, job_id) is None
+        assert api.get(url, headers=AUTH).json()["spec"] is None
         assert api.post(url, json={"replicas": 1}).status_code == 401
         assert api.delete(url, params={"force": "true"}).status_code == 401
         bad = api.post(url, json={"replicas": 1, "min_replicas": 2}, headers=AUTH)
         assert bad.status_code == 422 and "lower min_replicas" in bad.text
-        assert api.get(url).json()["spec"] is None  # nothing was stored
+        assert api.get(url, headers=AUTH).json()["spec"] is None  # nothing was stored
         created = api.post(url, json={"replicas": 1, "timeout_s": 12}, headers=AUTH)
         assert created.status_code == 201, created.text
         assert created.json()["spec"]["timeout_s"] == 12
@@ -114,8 +116,8 @@ def test_rest_lifecycle_the_leader_waits_and_ettr_uses_the_spec(etcd, job_id, tm
         assert epoch["members"] == ["a"] and _waits(log) <= _terms(log)  # once per term
         again = api.post(url, json={"replicas": 3}, headers=AUTH)
         assert again.status_code == 409 and "delete it first" in again.text
-        assert api.get(url).json()["spec"]["replicas"] == 1  # unchanged
-        listed = api.get("/v1/jobs").json()["jobs"]
+        assert api.get(url, headers=AUTH).json()["spec"]["replicas"] == 1  # unchanged
+        listed = api.get("/v1/jobs", headers=AUTH).json()["jobs"]
         assert {"job": job_id, "spec": created.json()["spec"]} in listed
 
         # Delete: refused while a replica is registered, then forced; every key goes.
@@ -128,7 +130,7 @@ def test_rest_lifecycle_the_leader_waits_and_ettr_uses_the_spec(etcd, job_id, tm
                                                     if k.startswith(keys.controllers(job_id)))}
         # The controller stays, waiting for a new spec: its next term starts clean.
         wait_for(lambda: _waits(log) > waited, 60, "a new term waiting for a new spec")
-        wait_for(lambda: api.get("/v1/sd/prometheus").json(), 60,
+        wait_for(lambda: api.get("/v1/sd/prometheus", headers=AUTH).json(), 60,
                  "the controller's discovery record back")
 
         # A new job of 8 replicas with 2 training: live work ETTR well under 1 (it would be
@@ -146,60 +148,80 @@ def test_rest_lifecycle_the_leader_waits_and_ettr_uses_the_spec(etcd, job_id, tm
         assert (_epoch(etcd.url, job_id) or {"number": 1})["number"] == 1
 
 
-def _cli(*args: str, etcd_url: str):
-    return CliRunner().invoke(app, ["job", *args, "--etcd", etcd_url])
+def _cli(*args: str, base: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, ["job", *args, "--controller", base], env=env)
 
 
-def test_cli_lifecycle(etcd, job_id):
-    bad = _cli("create", job_id, "--replicas", "2", "--min-replicas", "3", etcd_url=etcd.url)
+def test_cli_lifecycle_through_the_api(etcd, job_id, tmp_path):
+    with controller_process(etcd.url, job_id, tmp_path) as base:
+        _cli_lifecycle(etcd.url, job_id, base, tmp_path)
+
+
+def _cli_lifecycle(etcd_url: str, job_id: str, base: str, tmp_path: Path) -> None:
+    bad = _cli("create", job_id, "--replicas", "2", "--min-replicas", "3", base=base)
     assert bad.exit_code == 2 and "lower min_replicas" in bad.output
-    assert "nothing was stored" in bad.output and not asyncio.run(_job_keys(etcd.url, job_id))
+    assert "nothing was stored" in bad.output
+    assert keys.spec(job_id) not in asyncio.run(_job_keys(etcd_url, job_id))
 
+    # The token: none, another, or from a file.
+    nobody = _cli("create", job_id, "--replicas", "2", base=base,
+                  env={"FTSYSTEM_API_TOKEN": "", "FTSYSTEM_API_TOKEN_FILE": ""})
+    assert nobody.exit_code == 2
+    assert "needs the job's token: set FTSYSTEM_API_TOKEN" in nobody.output
+    other = _cli("get", job_id, base=base, env={"FTSYSTEM_API_TOKEN": "wrong"})
+    assert other.exit_code == 2 and "refused the token" in other.output
+    token_file = tmp_path / "token"
+    token_file.write_text(API_TOKEN + "\n")
     created = _cli("create", job_id, "--replicas", "2", "--checkpoint-every", "100",
                    "--checkpoint-dir", "/shared/ckpt", "--replica-ids", "r0,r1",
-                   etcd_url=etcd.url)
+                   "--token-file", str(token_file), base=base, env={"FTSYSTEM_API_TOKEN": ""})
     assert created.exit_code == 0, created.output
-    assert "bypassing the controller's API" in created.output
-    assert "etcd credentials" in created.output
-    stored = json.loads(asyncio.run(_job_keys(etcd.url, job_id))[keys.spec(job_id)])
+    assert json.loads(created.output)["spec"]["replica_ids"] == ["r0", "r1"]
+    stored = json.loads(asyncio.run(_job_keys(etcd_url, job_id))[keys.spec(job_id)])
     assert stored["checkpoint"] == {"every_steps": 100, "dir": "/shared/ckpt", "keep": 3}
     assert stored["replica_ids"] == ["r0", "r1"] and stored["created_at"] <= time.time()
 
-    again = _cli("create", job_id, "--replicas", "5", etcd_url=etcd.url)
+    again = _cli("create", job_id, "--replicas", "5", base=base)
     assert again.exit_code == 1 and "exists: delete it first" in again.output
-    assert json.loads(asyncio.run(_job_keys(etcd.url, job_id))[keys.spec(job_id)]) == stored
+    same = _cli("create", job_id, "--replicas", "2", "--checkpoint-every", "100",
+                "--checkpoint-dir", "/shared/ckpt", "--replica-ids", "r0,r1", "--exist-ok",
+                base=base)
+    assert same.exit_code == 0, same.output
+    assert json.loads(same.output)["spec"]["created_at"] == stored["created_at"]
+    assert json.loads(asyncio.run(_job_keys(etcd_url, job_id))[keys.spec(job_id)]) == stored
 
-    got = _cli("get", job_id, etcd_url=etcd.url)
-    assert got.exit_code == 0 and '"running": false' in got.output
-    listed = _cli("list", etcd_url=etcd.url)
+    got = _cli("get", job_id, base=base)
+    assert got.exit_code == 0 and json.loads(got.output)["spec"] == stored
+    listed = _cli("list", base=base)
     assert listed.exit_code == 0
     assert any(line.split("\t")[:3] == [job_id, "2", "1"] for line in listed.output.splitlines())
 
     async def leave_a_run_behind() -> None:
-        async with Store(etcd.url) as store:
+        async with Store(etcd_url) as store:
             await store.put_json(keys.epoch(job_id), {"number": 7, "members": ["r0"]})
             await store.put_json(keys.failure(job_id, "r0", 0), {"reason": "x"})
             await store.put_json(keys.agent(job_id, "r0", 0), {"host": "h"},
                                  lease=await store.grant(60))
     asyncio.run(leave_a_run_behind())
-    refused = _cli("delete", job_id, etcd_url=etcd.url)
+    refused = _cli("delete", job_id, base=base)
     assert refused.exit_code == 1 and "is running" in refused.output
-    assert _cli("delete", job_id, "--force", etcd_url=etcd.url).exit_code == 0
-    assert asyncio.run(_job_keys(etcd.url, job_id)) == {}  # every key, in one delete
-    gone = _cli("get", job_id, etcd_url=etcd.url)
+    assert _cli("delete", job_id, "--force", base=base).exit_code == 0
+    left = asyncio.run(_job_keys(etcd_url, job_id))  # every key but the controller's own
+    assert set(left) <= {keys.leader(job_id), *(k for k in left
+                                                if k.startswith(keys.controllers(job_id)))}
+    gone = _cli("get", job_id, base=base)
     assert gone.exit_code == 1 and "ftsystem job create" in gone.output
-    assert _cli("delete", job_id, etcd_url=etcd.url).exit_code == 1  # nothing to delete
 
     # What an earlier run left without a spec (an epoch) keeps a new job from starting on it.
     async def stale_epoch() -> None:
-        async with Store(etcd.url) as store:
+        async with Store(etcd_url) as store:
             await store.put_json(keys.epoch(job_id), {"number": 3, "members": ["r0"]})
     asyncio.run(stale_epoch())
-    stale = _cli("create", job_id, "--replicas", "1", etcd_url=etcd.url)
+    stale = _cli("create", job_id, "--replicas", "1", base=base)
     assert stale.exit_code == 1 and "earlier run's state (epoch 3)" in stale.output
-    assert _cli("delete", job_id, etcd_url=etcd.url).exit_code == 0
-    assert _cli("create", job_id, "--replicas", "1", etcd_url=etcd.url).exit_code == 0
-    assert set(asyncio.run(_job_keys(etcd.url, job_id))) == {keys.spec(job_id)}
+    assert _cli("delete", job_id, base=base).exit_code == 0
+    assert _cli("create", job_id, "--replicas", "1", base=base).exit_code == 0
+    assert keys.spec(job_id) in asyncio.run(_job_keys(etcd_url, job_id))
 
 
 # --- the deployment files create the job their agents run -----------------------------------
@@ -215,50 +237,63 @@ def _stored_spec(etcd_url: str, job: str) -> dict:
     return json.loads(asyncio.run(_job_keys(etcd_url, job))[keys.spec(job)])
 
 
-def _create_twice(argv: list[str]) -> None:
+def _create_twice(argv: list[str], base: str) -> None:
     """A deployment step runs again (a restarted pod or service): the same spec is no error."""
     for _ in range(2):
-        done = CliRunner().invoke(app, argv)
+        done = CliRunner().invoke(app, argv, env={"FTSYSTEM_CONTROLLER": base})
         assert done.exit_code == 0, done.output
 
 
-def test_compose_creates_the_job_its_agents_run(etcd, job_id):
+def test_compose_creates_the_job_its_agents_run(etcd, job_id, tmp_path):
     services = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
     job = services["job"]
     assert job["entrypoint"][0] == "ftsystem"
+    # Through the first controller's API, once it answers, with the job's token.
+    assert job["environment"]["FTSYSTEM_CONTROLLER"] == "http://controller:8080"
+    assert "FTSYSTEM_API_TOKEN" in job["environment"]
+    assert job["depends_on"] == {"controller": {"condition": "service_healthy"}}
     agents = [s["command"] for s in services.values()
               if s.get("build", {}).get("target") == "agent"]
     assert all(s["depends_on"]["job"] == {"condition": "service_completed_successfully"}
                for s in services.values() if s.get("build", {}).get("target") == "agent")
     argv = job["entrypoint"][1:] + job["command"]
-    name, etcd_url = argv[argv.index("create") + 1], _option(argv, "--etcd")
+    name = argv[argv.index("create") + 1]
     assert {_option(a, "--job") for a in agents} == {name}
-    _create_twice([job_id if a == name else etcd.url if a == etcd_url else a for a in argv])
+    with controller_process(etcd.url, job_id, tmp_path) as base:
+        _create_twice([job_id if a == name else a for a in argv], base)
     spec = _stored_spec(etcd.url, job_id)
     assert spec["replicas"] == len(agents)
     assert spec["replica_ids"] == sorted(_option(a, "--replica-id") for a in agents)
 
 
-def test_kubernetes_creates_the_job_its_agents_run(etcd, job_id):
-    docs = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "controller.yaml").read_text()) if d]
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
-    (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
-    env = {e["name"]: e["valueFrom"]["configMapKeyRef"]["key"] for e in init["env"]}
-    assert env == {"JOB_ID": "JOB_ID", "ETCD_ENDPOINTS": "ETCD_ENDPOINTS"}
-    values = {"JOB_ID": job_id, "ETCD_ENDPOINTS": etcd.url}
-    argv = init["command"][1:] + [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a)
-                                  for a in init["args"]]
-    _create_twice(argv)
-    agent_jobs = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "agents.yaml").read_text())
-                  if d and d["kind"] == "Job"]
-    spec = _stored_spec(etcd.url, job_id)
-    assert spec["replicas"] == len(agent_jobs)
-    assert spec["replica_ids"] == sorted(j["metadata"]["labels"]["ftsystem/replica"]
-                                         for j in agent_jobs)
-    for agent_job in agent_jobs:
-        (container,) = agent_job["spec"]["template"]["spec"]["containers"]
-        assert spec["nodes_per_replica"] == agent_job["spec"]["completions"]
-        assert spec["nproc_per_node"] == int(_option(container["args"], "--nproc-per-node"))
-    at = argv.index("--min-replicas") + 1
-    other = CliRunner().invoke(app, [*argv[:at], "2", *argv[at + 1:]])  # another spec
-    assert other.exit_code == 1 and "exists with another spec" in other.output
+def test_kubernetes_creates_the_job_its_agents_run(etcd, job_id, tmp_path):
+    (create,) = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "create-job.yaml").read_text())
+                 if d]
+    assert create["kind"] == "Job"
+    (container,) = create["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") or e["valueFrom"]["configMapKeyRef"]["key"]
+           for e in container["env"]}
+    assert env == {"JOB_ID": "JOB_ID", "FTSYSTEM_CONTROLLER": "http://ftsystem-controller:8080",
+                   "FTSYSTEM_API_TOKEN_FILE": "/var/run/secrets/ftsystem/token"}
+    controllers = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "controller.yaml").read_text())
+                   if d and d["kind"] == "Service"]
+    assert [(s["metadata"]["name"], s["spec"]["ports"][0]["port"]) for s in controllers] == [
+        ("ftsystem-controller", 8080)]
+    argv = container["command"][1:] + [re.sub(r"\$\((\w+)\)", lambda m: job_id, a)
+                                       for a in container["args"]]
+    with controller_process(etcd.url, job_id, tmp_path) as base:
+        _create_twice(argv, base)
+        agent_jobs = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "agents.yaml").read_text())
+                      if d and d["kind"] == "Job"]
+        spec = _stored_spec(etcd.url, job_id)
+        assert spec["replicas"] == len(agent_jobs)
+        assert spec["replica_ids"] == sorted(j["metadata"]["labels"]["ftsystem/replica"]
+                                             for j in agent_jobs)
+        for agent_job in agent_jobs:
+            (agent,) = agent_job["spec"]["template"]["spec"]["containers"]
+            assert spec["nodes_per_replica"] == agent_job["spec"]["completions"]
+            assert spec["nproc_per_node"] == int(_option(agent["args"], "--nproc-per-node"))
+        at = argv.index("--min-replicas") + 1
+        other = CliRunner().invoke(app, [*argv[:at], "2", *argv[at + 1:]],
+                                   env={"FTSYSTEM_CONTROLLER": base})  # another spec
+        assert other.exit_code == 1 and "exists with another spec" in other.output

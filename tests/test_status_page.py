@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,8 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import wait_for
-from controller.status_page import MAX_REPLICA_ROWS, NUM_ORDERS_SHOWN, Progress, render_page
+from conftest import controller_process, wait_for
+from controller.leader import EpochMark
+from controller.status_page import (MAX_REPLICA_ROWS, NUM_ORDERS_SHOWN, Progress, render_page,
+                                    sign_in_page)
 from ftsystem.chaos.spec import Order, spec_from_mapping, submit
 from ftsystem.control import keys
 from ftsystem.control.etcd_server import free_port
@@ -153,10 +156,61 @@ def test_thousands_of_replicas_list_only_those_that_are_not_members():
             "listed: 2 that are not members") in page
 
 
+def test_charts_show_the_step_rate_the_epochs_and_each_replicas_progress():
+    job, items, now = "demo", {}, 1000.0
+    _put(items, keys.spec(job), {"replicas": 3, "num_steps": 200})
+    _put(items, keys.epoch(job), {"number": 3, "members": ["r0", "r2"], "reason": "removal"})
+    for rid, step in (("r0", 150), ("r1", 50), ("r2", 100)):
+        _put(items, keys.replica(job, rid), {"state": "member", "step": step, "generation": 0})
+    _put(items, keys.failure(job, "r1", 0), {"time": 950.0, "reason": "killed", "step": 40})
+    epochs = (EpochMark(number=1, time=900.0, num_members=3, reason="start", paused=False),
+              EpochMark(number=2, time=950.0, num_members=1, reason="removal", paused=True),
+              EpochMark(number=3, time=960.0, num_members=2, reason="join", paused=False))
+    progress = Progress(ettr_work=0.5, ettr_time=0.9, step_rate=2.0, window_s=120.0,
+                        measured_s=100.0, rates=((940.0, 4.0), (970.0, 0.0), (1000.0, 2.0)),
+                        epochs=epochs)
+    page = render_page(job, items, instance="c", now=now, progress=progress)
+    spark = re.search(r'<svg id="rate-sparkline".*?</svg>', page).group(0)
+    points = re.search(r'<polyline points="([^"]+)"', spark).group(1).split()
+    xs, ys = zip(*((float(x), float(y)) for x, y in (p.split(",") for p in points)))
+    assert xs == tuple(sorted(xs)) and xs[-1] == 360.0  # oldest first, up to now
+    assert ys[1] == 48.0 and ys[0] < ys[2] < 48.0  # 4/s highest, 0/s on the axis, 2/s between
+    assert "peak 4.00/s" in spark and "step rate, last 63 s" in page  # a young term: its span
+    timeline = re.search(r'<svg id="epoch-timeline".*?</svg>', page).group(0)
+    rects = re.findall(r'<rect class="epoch" x="([\d.]+)" y="[\d.]+" width="([\d.]+)" '
+                       r'height="([\d.]+)" fill="(#\w+)"', timeline)
+    assert len(rects) == 3
+    heights = [float(h) for _, _, h, _ in rects]
+    assert heights == pytest.approx([heights[0], heights[0] / 3, heights[0] * 2 / 3], abs=0.1)
+    assert rects[1][3] == "#b3261e" and rects[0][3] != rects[1][3]  # the paused one in red
+    assert len(re.findall(r'<line class="failure"', timeline)) == 1
+    assert "epoch 2: 1 members, removal, PAUSED" in timeline
+    assert ">1970-01-01 00:15:00 UTC</text>" in timeline and ">now</text>" in timeline  # from epoch 1
+    bars = dict(re.findall(r'<tr data-replica="(r\d)">.*?<rect width="140" .*?<rect '
+                           r'width="([\d.]+)"', page))
+    assert bars == {"r0": "105.0", "r1": "35.0", "r2": "70.0"}  # steps of 200
+    assert "step 150 of 200" in page
+    standby = render_page(job, items, instance="other", now=now)
+    assert 'id="rate-sparkline"' not in standby and "measured by the leading controller" in standby
+    no_total = {k: v for k, v in items.items() if k != keys.spec(job)}
+    bars = dict(re.findall(r'<tr data-replica="(r\d)">.*?<rect width="140" .*?<rect '
+                           r'width="([\d.]+)"', render_page(job, no_total, instance="c", now=now)))
+    assert bars["r0"] == "140.0"  # without the spec's steps: against the furthest replica
+
+
+def test_the_sign_in_page_holds_none_of_the_jobs_data():
+    page = sign_in_page("demo")
+    assert '<form id="sign-in" >' in page and 'data-signed-out="1"' in page
+    assert 'id="replicas"' not in page and 'id="members"' not in page
+    assert "sessionStorage" in page and "#token=" in page
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not CHROMIUM.is_file(),
                     reason=f"no browser at {CHROMIUM}: install Debian's `chromium` package")
-def test_live_page_in_headless_chromium(etcd, job_id, tmp_path):
+def test_live_page_in_headless_chromium_and_the_cli_views(etcd, job_id, tmp_path):
+    """One real job (r1 killed at step 60, one chaos order) seen by a browser, by `ftsystem
+    status` and `ftsystem watch`, asked at the leader and at a standby."""
     port = free_port()
     # More steps than the test lasts: the job must not end (and its members leave the page)
     # before the browser has rendered it; the test stops the job itself once done.
@@ -168,18 +222,23 @@ def test_live_page_in_headless_chromium(etcd, job_id, tmp_path):
     runner = threading.Thread(target=run_job, args=(cfg,), daemon=True)
     runner.start()
     try:
+        token = wait_for(lambda: _run_token(cfg.out_dir), 60, "the run's token")
         # one real chaos order, harmless: r0 slowed for half a second once training runs
         order = _submit_slow_r0(etcd.url, job_id)
-        wait_for(lambda: _rejoined(base, job_id), 120, "r1 to fail and rejoin", poll=0.2)
+        wait_for(lambda: _rejoined(base, job_id, token), 120, "r1 to fail and rejoin", poll=0.2)
         wait_for(lambda: _order_state(etcd.url, job_id, order) != "pending", 60,
                  "the chaos order to be executed", poll=0.2)
-        dom = _chromium(tmp_path, "--dump-dom", f"{base}/").stdout
+        page = f"{base}/#token={token}"  # the page takes it from the fragment
+        dom = _chromium(tmp_path, "--dump-dom", page).stdout
         screenshot = tmp_path / "status_page.png"
-        _chromium(tmp_path, f"--screenshot={screenshot}", f"{base}/")
+        _chromium(tmp_path, f"--screenshot={screenshot}", page)
+        signed_out = _chromium(tmp_path, "--dump-dom", f"{base}/").stdout
+        _check_the_cli_views(etcd.url, base, job_id, token, tmp_path)
     finally:
         _stop_job(etcd.url, job_id, runner)
-    # the inline script polled and swapped in fresh data at least once
+    # the inline script sent the token, polled and swapped in fresh data at least once
     assert int(re.search(r'<body data-refreshes="(\d+)"', dom).group(1)) >= 1, dom
+    assert re.search(r'<form id="sign-in" hidden(="")?>', dom) and token not in dom
     members = re.search(r'<span id="members">([^<]*)</span>', dom).group(1)
     assert sorted(members.split(", ")) == ["r0", "r1"], dom
     failures = dom[dom.index('<table id="failures">'):]
@@ -191,21 +250,79 @@ def test_live_page_in_headless_chromium(etcd, job_id, tmp_path):
     ettr_work = float(re.search(r'<span class="figure" id="ettr-work">([^<]*)<', dom).group(1))
     assert 0.0 < ettr_work <= 1.0, dom
     assert float(re.search(r'<span class="figure" id="step-rate">([^<]*)<', dom).group(1)) > 0
+    # the charts: the step rate's history, the epochs (start, r1's removal and rejoin) with
+    # r1's failure, each replica's bar
+    assert re.search(r'<svg id="rate-sparkline"[^>]*>.*<polyline points="[^"]+ [^"]+"', dom)
+    timeline = re.search(r'<svg id="epoch-timeline".*?</svg>', dom).group(0)
+    assert len(re.findall(r'<rect class="epoch"', timeline)) >= 3, timeline
+    assert '<line class="failure"' in timeline
+    assert len(re.findall(r'<svg class="bar"', dom)) == 2
     assert '<table id="joiners">' in dom  # r1 has caught up: the table may be empty
     chaos = dom[dom.index('<table id="chaos">'):]
     row = re.search(rf'<tr data-order="{re.escape(order)}">.*?</tr>', chaos).group(0)
     assert "<td>slow</td><td>r0</td>" in row and 'class="outcome-done">done<' in row, row
+    # without the token: the sign-in form, none of the job's data
+    assert re.search(r'<form id="sign-in"\s*>', signed_out) and 'id="members"' not in signed_out
     assert screenshot.stat().st_size > 10_000
     if os.environ.get(SAVE_SCREENSHOT_ENV) == "1":
         shutil.copyfile(screenshot, DOCS_SCREENSHOT)
 
 
-def _rejoined(base: str, job: str) -> bool:
+def _check_the_cli_views(etcd_url: str, base: str, job: str, token: str, tmp_path: Path
+                         ) -> None:
+    """`ftsystem status` and `ftsystem watch` against the live job, with the run's token from
+    a file; then `status` at a standby, which completes its answer from the leader."""
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    cli = [sys.executable, "-m", "ftsystem.cli"]
+    auth = ["--controller", base, "--token-file", str(token_file)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTSYSTEM_API_TOKEN")}
+    env["COLUMNS"] = "120"
+    status = _run([*cli, "status", job, *auth, "--json"], env)
+    found = json.loads(status)
+    assert sorted(found["epoch"]["members"]) == ["r0", "r1"]
+    assert found["progress"]["step_rate"] > 0 and found["progress"]["rates"]
+    assert [e["reason"] for e in found["progress"]["epochs"]][:1] == ["start"]
+    assert [f["replica"] for f in found["failures"]] == ["r1"]
+    text = _run([*cli, "status", job, *auth], env)
+    assert f"job {job}" in text and "steps/s over 2 min" in text
+    # each replica's step of the spec's 100,000 (its bar still empty this early)
+    assert re.search(r"^r0 +member +\d+/100000 ", text, re.M), text
+    assert "killed by SIGKILL" in text
+    started = time.monotonic()
+    watched = _run([*cli, "watch", job, *auth, "--iterations", "2", "--interval", "0.5"], env)
+    assert time.monotonic() - started >= 0.5
+    assert watched.count(f"job {job}") == 2 and watched.count("steps/s over 2 min") == 2
+    refused = subprocess.run([*cli, "status", job, "--controller", base], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "needs the job's token" in refused.stderr
+    with controller_process(etcd_url, job, tmp_path,
+                            {"FTSYSTEM_API_TOKEN": token}) as standby:
+        via = json.loads(_run([*cli, "status", job, "--controller", standby, "--token-file",
+                               str(token_file), "--json"], env))
+        assert via["leader_address"] == base.removeprefix("http://")
+        assert via["progress"] is not None and via["progress"]["step_rate"] > 0
+
+
+def _run(argv: list[str], env: dict[str, str]) -> str:
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-2000:])
+    return done.stdout
+
+
+def _run_token(out_dir: Path) -> str | None:
+    """The token ``ftsystem run`` made for its controllers (``OUT/api-token``)."""
+    path = out_dir / "api-token"
+    return path.read_text() if path.exists() else None
+
+
+def _rejoined(base: str, job: str, token: str) -> bool:
     """True once r1 has failed, restarted and is a member again beside r0: its restarted
     generation registered as a member. (Its failure is recorded first, while the epoch from
     before the kill still lists it: members and restarts alone are true for a moment then.)"""
     try:
-        view = httpx.get(f"{base}/v1/jobs/{job}", timeout=2).json()
+        view = httpx.get(f"{base}/v1/jobs/{job}", timeout=2,
+                         headers={"Authorization": f"Bearer {token}"}).json()
     except httpx.HTTPError:
         return False
     r1 = [r for r in view["replicas"] if r["id"] == "r1"]
@@ -258,7 +375,7 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", f"--user-data-dir={tmp_path / 'chromium-profile'}",
-         "--window-size=1280,900", "--virtual-time-budget=3000", *args],
+         "--window-size=1280,1100", "--virtual-time-budget=3000", *args],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     print(f"chromium {args[0]}: {time.monotonic() - started:.1f} s")

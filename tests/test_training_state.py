@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import controller_process
+from conftest import API_TOKEN, controller_process
 from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
@@ -35,7 +35,8 @@ def _results(cfg: RunConfig) -> dict[str, dict]:
 def _events(etcd_url: str, job: str, log_dir: Path) -> list[dict]:
     """The job's events through the REST API of a controller started for the purpose."""
     with controller_process(etcd_url, job, log_dir) as base:
-        return httpx.get(f"{base}/v1/jobs/{job}/events", timeout=10).json()["events"]
+        return httpx.get(f"{base}/v1/jobs/{job}/events", timeout=10,
+                         headers={"Authorization": f"Bearer {API_TOKEN}"}).json()["events"]
 
 
 @pytest.mark.timeout(600)  # 5 restarts of up to 6 ranks on 2 cores: 3 minutes when idle

@@ -1,8 +1,8 @@
 """A job's lifecycle in etcd: its spec, validated (pure), created once, read, listed, deleted.
 
 A job exists when its spec exists (``/ftsystem/<job>/spec``, ``docs/keyspace.md``). The leader
-starts no epoch before it (``controller/leader.py``). ``ftsystem job``, the REST API
-(``POST/GET/DELETE /v1/jobs/{job}``) and ``ftsystem run`` all go through this module.
+starts no epoch before it (``controller/leader.py``). The REST API (``POST/GET/DELETE
+/v1/jobs/{job}``, which ``ftsystem job`` calls) and ``ftsystem run`` go through this module.
 
 - Creating a job that exists fails (``JobExistsError``): nothing of an earlier run under the same
   id may leak into a new job, so it must be deleted first.

@@ -1,61 +1,71 @@
-"""``ftsystem job create|get|list|delete``: a job's lifecycle, straight in etcd.
+"""``ftsystem job create|get|list|delete``: a job's lifecycle, through the controller's API.
 
-The same code path as the REST API (``ftsystem.control.jobs``); these commands bypass the
-controller's API and its token, so they need etcd credentials.
+Each command is one request to a controller of the job (``--controller``, or
+``FTSYSTEM_CONTROLLER``) with the job's token (``FTSYSTEM_API_TOKEN``, or the file
+``FTSYSTEM_API_TOKEN_FILE`` or ``--token-file`` names); the controller validates and stores
+(``ftsystem.control.jobs``, as for ``ftsystem run``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
-from ftsystem.cli import (ENV_ETCD, ETCD_CA, ETCD_CERT, ETCD_HELP, ETCD_KEY, _check_id,
-                          _etcd_tls, _fail, app)
+from ftsystem.cli import _check_id, _fail, app
+from ftsystem.control.api_client import (DEFAULT_CONTROLLER, ENV_CONTROLLER, ENV_WAIT,
+                                         ApiError, ControllerClient)
 
-job_app = typer.Typer(no_args_is_help=True, help="Create, inspect and delete jobs (their spec "
-                      "in etcd); the leader starts no epoch before a job is created.")
+job_app = typer.Typer(no_args_is_help=True, help="Create, inspect and delete jobs through the "
+                      "controller's API; the leader starts no epoch before a job is created.")
 app.add_typer(job_app, name="job")
 
-ETCD = typer.Option(..., envvar=ENV_ETCD, help=ETCD_HELP)
-BYPASS_NOTE = ("note: this writes to etcd directly, bypassing the controller's API and its "
-               "token; it needs etcd credentials. With a controller running, the API does the "
-               "same: {method} /v1/jobs/<job> with the bearer token.")
+CONTROLLER = typer.Option(DEFAULT_CONTROLLER, "--controller", envvar=ENV_CONTROLLER,
+                          help="the URL of a controller of the job")
+TOKEN_FILE = typer.Option(None, "--token-file", help="a file holding the job's token "
+                          "(default: FTSYSTEM_API_TOKEN, or the file FTSYSTEM_API_TOKEN_FILE "
+                          "names)")
+ETCD = typer.Option(None, "--etcd", hidden=True, help="refused: the API stores the job")
 STATE_ERROR = 1
 """Exit code of a request refused for the job's state (exists, running, not found): the
-command was well formed (usage errors exit 2)."""
+command was well formed (usage errors, an unreachable controller and a refused token exit 2)."""
+STATE_STATUSES = frozenset({404, 409})
 
 
-def _run(coro_fn, etcd: str, tls: tuple[Path | None, Path | None, Path | None]) -> Any:
-    """``coro_fn(store)`` on a store of ``etcd``, with the client certificates ``tls`` (CA,
-    certificate, key: ``--etcd-ca``, ``--etcd-cert``, ``--etcd-key``)."""
-    from ftsystem.control.store import Store, StoreError
-    _etcd_tls(*tls)
+def client(controller: str, token_file: Path | None, *, wait_s: float = 0.0
+           ) -> ControllerClient:
+    """A client of ``controller`` with the job's token: the file given, else the variables."""
+    from ftsystem.control.tokens import AuthConfigError, load_token
     try:
-        store = Store(etcd)
-    except ValueError as e:  # a malformed endpoint, certificates that cannot work
-        raise typer.BadParameter(str(e), param_hint="--etcd") from e
-
-    async def with_store():
-        async with store:
-            return await coro_fn(store)
-    try:
-        return asyncio.run(with_store())
-    except StoreError as e:
+        token = load_token({"FTSYSTEM_API_TOKEN_FILE": str(token_file)} if token_file else None)
+    except AuthConfigError as e:
         raise _fail(str(e))
+    return ControllerClient(controller, token, wait_s=wait_s)
+
+
+def request(controller: str, token_file: Path | None,
+            send: Callable[[ControllerClient], Any], *, wait_s: float = 0.0) -> Any:
+    """One request: an ``ApiError`` becomes its message and an exit code."""
+    with client(controller, token_file, wait_s=wait_s) as api:
+        try:
+            return send(api)
+        except ApiError as e:
+            raise _refused(str(e)) if e.status in STATE_STATUSES else _fail(str(e))
+
+
+def _no_etcd(etcd: str | None) -> None:
+    if etcd is not None:
+        raise typer.BadParameter("ftsystem job goes through the controller's API: give "
+                                 f"--controller URL (or {ENV_CONTROLLER}) and the job's token, "
+                                 "not --etcd", param_hint="--etcd")
 
 
 def _refused(message: str) -> typer.Exit:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     return typer.Exit(STATE_ERROR)
-
-
-def _note(method: str) -> None:
-    typer.secho(BYPASS_NOTE.format(method=method), err=True, fg=typer.colors.YELLOW)
 
 
 def spec_from_options(spec_file: Path | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -105,51 +115,50 @@ def create(job: str = typer.Argument(..., help="job id"),
            exist_ok: bool = typer.Option(False, help="succeed if the job exists with this very "
                                          "spec (a deployment step run again); a different "
                                          "spec is still refused"),
-           etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
-           etcd_cert: Optional[Path] = ETCD_CERT, etcd_key: Optional[Path] = ETCD_KEY) -> None:
+           wait: float = typer.Option(0.0, min=0.0, envvar=ENV_WAIT, help="seconds to retry "
+                                      "while the controller does not answer (a deployment "
+                                      "step that may start first)"),
+           controller: str = CONTROLLER, token_file: Optional[Path] = TOKEN_FILE,
+           etcd: Optional[str] = ETCD) -> None:
     """Create a job: store its spec. Refused if the job exists (delete it first)."""
     from ftsystem.control import jobs
     _check_id("job", job)
+    _no_etcd(etcd)
     raw = spec_from_options(spec_file, {
         "replicas": replicas, "min_replicas": min_replicas,
         "nodes_per_replica": nodes_per_replica, "nproc_per_node": nproc_per_node,
         "timeout_s": timeout, "num_steps": steps, "replica_ids": replica_ids,
         "checkpoint_every_steps": checkpoint_every, "checkpoint_dir": checkpoint_dir,
         "checkpoint_keep": checkpoint_keep})
-    try:
-        spec = jobs.parse_spec(raw)
+    try:  # checked here too: a malformed spec is refused before any request
+        jobs.parse_spec(raw)
     except jobs.JobSpecError as e:
         raise _fail(f"{e}; nothing was stored")
-    _note("POST")
-    try:
-        stored = _run(lambda store: jobs.create_job(store, job, spec, now=time.time(),
-                                                    exist_ok=exist_ok), etcd,
-                      (etcd_ca, etcd_cert, etcd_key))
-    except jobs.JobExistsError as e:
-        raise _refused(f"{e}; nothing was changed")
-    typer.echo(json.dumps({"job": job, "spec": stored.to_json()}, indent=2))
+    created = request(controller, token_file, lambda api: api.post(
+        f"/v1/jobs/{job}", raw, **({"exist_ok": "true"} if exist_ok else {})), wait_s=wait)
+    typer.echo(json.dumps(created, indent=2))
 
 
 @job_app.command("get")
-def get(job: str = typer.Argument(..., help="job id"), etcd: str = ETCD,
-        etcd_ca: Optional[Path] = ETCD_CA, etcd_cert: Optional[Path] = ETCD_CERT,
-        etcd_key: Optional[Path] = ETCD_KEY) -> None:
-    """Print the job's spec and whether agents or replicas run it (JSON)."""
-    from ftsystem.control import jobs
+def get(job: str = typer.Argument(..., help="job id"), controller: str = CONTROLLER,
+        token_file: Optional[Path] = TOKEN_FILE, etcd: Optional[str] = ETCD) -> None:
+    """Print the job's spec, leader, epoch and replicas (JSON)."""
     _check_id("job", job)
-    try:
-        found = _run(lambda store: jobs.get_job(store, job), etcd, (etcd_ca, etcd_cert, etcd_key))
-    except jobs.JobNotFoundError as e:
-        raise _refused(str(e))
-    typer.echo(json.dumps(found, indent=2))
+    _no_etcd(etcd)
+    view = request(controller, token_file, lambda api: api.get(f"/v1/jobs/{job}"))
+    if view["spec"] is None:
+        raise _refused(f"no job {job!r}: create it with `ftsystem job create {job} --replicas "
+                       "N`")
+    typer.echo(json.dumps(view, indent=2))
 
 
 @job_app.command("list")
-def list_(etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
-          etcd_cert: Optional[Path] = ETCD_CERT, etcd_key: Optional[Path] = ETCD_KEY) -> None:
-    """One line per job with a spec: id, replicas, min replicas, nodes x ranks, created."""
-    from ftsystem.control import jobs
-    for found in _run(jobs.list_jobs, etcd, (etcd_ca, etcd_cert, etcd_key)):
+def list_(controller: str = CONTROLLER, token_file: Optional[Path] = TOKEN_FILE,
+          etcd: Optional[str] = ETCD) -> None:
+    """One line per job with a spec in the controller's etcd: id, replicas, min replicas,
+    nodes x ranks, created."""
+    _no_etcd(etcd)
+    for found in request(controller, token_file, lambda api: api.get("/v1/jobs"))["jobs"]:
         spec = found["spec"] or {}
         created = spec.get("created_at")
         typer.echo("\t".join(map(str, (
@@ -162,15 +171,11 @@ def list_(etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
 def delete(job: str = typer.Argument(..., help="job id"),
            force: bool = typer.Option(False, help="delete even while agents or replicas are "
                                       "registered (they then fail)"),
-           etcd: str = ETCD, etcd_ca: Optional[Path] = ETCD_CA,
-           etcd_cert: Optional[Path] = ETCD_CERT, etcd_key: Optional[Path] = ETCD_KEY) -> None:
+           controller: str = CONTROLLER, token_file: Optional[Path] = TOKEN_FILE,
+           etcd: Optional[str] = ETCD) -> None:
     """Delete every key of the job. Refused while it runs, unless --force."""
-    from ftsystem.control import jobs
     _check_id("job", job)
-    _note("DELETE")
-    try:
-        _run(lambda store: jobs.delete_job(store, job, force=force), etcd,
-             (etcd_ca, etcd_cert, etcd_key))
-    except (jobs.JobRunningError, jobs.JobNotFoundError) as e:
-        raise _refused(f"{e}; nothing was changed")
+    _no_etcd(etcd)
+    request(controller, token_file, lambda api: api.delete(
+        f"/v1/jobs/{job}", **({"force": "true"} if force else {})))
     typer.echo(f"deleted job {job}")

@@ -403,7 +403,8 @@ def _wait_with_progress(cfg: RunConfig, etcd: str, agents: NodeAgents,
         agents.wait()
         return
     if status_page:
-        print(f"status page: {status_page}  (logs, results and summary: {cfg.out_dir}/)",
+        print(f"status page: {status_page}  (it asks for the job's token: "
+              f"{cfg.out_dir / 'api-token'}; logs, results and summary: {cfg.out_dir}/)",
               flush=True)
     columns = (TextColumn("[bold]{task.description}"), BarColumn(),
                TextColumn("step {task.completed:.0f}/{task.total:.0f} {task.fields[info]}"),

@@ -23,6 +23,7 @@ spread out:
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -165,6 +166,23 @@ class LiveEttr:
             return None
         base = next(step for t, step in reversed(self._recent) if t <= start)
         return (self._job_step - base) / (now - start)
+
+    def rate_series(self, now: float, num_points: int = 40) -> list[tuple[float, float]]:
+        """The step rate over the last ``rate_window_s`` in ``num_points`` equal intervals:
+        (end of the interval, steps per second), oldest first. Intervals that start before
+        the first report are left out, so a young term shows only what it measured."""
+        if not self._recent:
+            return []
+        times = [t for t, _ in self._recent]
+        steps = [step for _, step in self._recent]
+
+        def step_at(t: float) -> int:  # the job's step at t: its last advance at or before t
+            return steps[max(0, bisect.bisect_right(times, t) - 1)]
+
+        width = self.rate_window_s / num_points
+        starts = (now - self.rate_window_s + i * width for i in range(num_points))
+        return [(start + width, (step_at(start + width) - step_at(start)) / width)
+                for start in starts if start >= times[0]]
 
     @property
     def measured_s(self) -> float | None:

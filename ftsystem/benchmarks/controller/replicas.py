@@ -26,6 +26,7 @@ from ftsystem.benchmarks.controller.stats import summarize
 from ftsystem.control import keys
 from ftsystem.control.membership import Registration, ReplicaState
 from ftsystem.control.store import Store
+from ftsystem.control.tokens import bearer_header
 from ftsystem.measure.report import print_table
 
 T = TypeVar("T")
@@ -95,7 +96,8 @@ async def measure(cfg: ReplicasConfig, url: str, workdir: Path) -> dict:
         try:
             async with services.leader(cfg.controller, url, job, workdir) as leader:
                 result = await _measure_revokes(cfg, replicas, watcher, leader.check)
-                result["scrape"] = (await _time_scrapes(leader.api, cfg.num_scrapes)
+                result["scrape"] = (await _time_scrapes(leader.api, leader.token,
+                                                        cfg.num_scrapes)
                                     if leader.api else None)
                 return result
         finally:
@@ -124,10 +126,12 @@ async def _measure_revokes(cfg: ReplicasConfig, replicas: SimulatedReplicas,
             "decisions": decisions, "joins": joins, "join_tick_s": join_tick_s}
 
 
-async def _time_scrapes(api: str, num_scrapes: int) -> dict:
-    """What Prometheus pays per scrape of service discovery and of the controller's metrics."""
+async def _time_scrapes(api: str, token: str | None, num_scrapes: int) -> dict:
+    """What Prometheus pays per scrape of service discovery and of the controller's metrics
+    (with the job's token, as Prometheus sends it)."""
     timings: dict[str, list[float]] = {"sd": [], "metrics": []}
-    async with httpx.AsyncClient(base_url=api, timeout=30) as client:
+    headers = {"Authorization": bearer_header(token)} if token else {}
+    async with httpx.AsyncClient(base_url=api, timeout=30, headers=headers) as client:
         for _ in range(num_scrapes):
             for name, path in (("sd", "/v1/sd/prometheus"), ("metrics", "/metrics")):
                 t0 = time.perf_counter()

@@ -35,6 +35,8 @@ class Leader:
     """Base URL of its REST API; None in-process (no HTTP server)."""
     pid: int | None
     """Its process; None in-process (it is ours)."""
+    token: str | None = None
+    """The job's token, which its API requires (None in-process)."""
 
 
 @contextmanager
@@ -87,8 +89,9 @@ async def _leader_process(url: str, job: str, log_path: Path) -> AsyncIterator[L
     port = free_port()
     cmd = [sys.executable, "-c", "from ftsystem.cli import main; main()", "controller",
            "--etcd", url, "--job", job, "--port", str(port), "--bind", "127.0.0.1"]
-    # The bench only reads the API; a random token keeps the controller closed, as by default.
-    env = os.environ | {"FTSYSTEM_API_TOKEN": secrets.token_hex(16)}
+    # A random token keeps the controller closed, as by default; the bench reads with it.
+    token = secrets.token_hex(16)
+    env = os.environ | {"FTSYSTEM_API_TOKEN": token}
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
@@ -96,7 +99,7 @@ async def _leader_process(url: str, job: str, log_path: Path) -> AsyncIterator[L
         if proc.poll() is not None:
             raise BenchError(f"the controller exited with {proc.returncode}: {tail(log_path)}")
     try:
-        yield Leader(check, f"http://127.0.0.1:{port}", proc.pid)
+        yield Leader(check, f"http://127.0.0.1:{port}", proc.pid, token)
     finally:
         proc.terminate()
         try:
