@@ -1,20 +1,15 @@
-"""HALoS on real text: the corpus, the character workload, the study's targets and spread, and
-the bench's JSON (a smoke run of ``ftsystem bench halos`` on a tiny model)."""
+"""HALoS on real text: the corpus, the character workload, the study's targets and spread."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from conftest import write_two_region_setup
-from typer.testing import CliRunner
 
-from ftsystem.cli import app
 from ftsystem.halos import corpus, experiment, rules
 from ftsystem.halos.config import load_setup
-from ftsystem.halos.simulator import METHODS, Curve, Run, SimConfig, simulate
+from ftsystem.halos.simulator import Curve, Run, SimConfig, simulate
 from ftsystem.halos.workload import Workload, WorkloadConfig, text_model
 
 torch.set_num_threads(1)
@@ -24,6 +19,7 @@ def test_the_corpus_is_the_whole_bible_split_without_overlap():
     text = corpus.load()
     assert text.num_bytes == 4_137_452 and text.vocab_size == 65
     assert len(text.train) + len(text.held_out) == text.num_bytes
+    assert len(text.validation) + len(text.test) == len(text.held_out)
     assert 0.09 < len(text.held_out) / text.num_bytes < 0.11
     assert text.decode(text.train[:55]) == "In the beginning God created the heaven and the earth.\n"
     described = corpus.describe()
@@ -35,8 +31,16 @@ def test_split_holds_out_every_tenth_block():
     blocks = ["a" * corpus.BLOCK_CHARS if i % 10 != 9 else "b" * corpus.BLOCK_CHARS
               for i in range(20)]
     train, held = corpus.split("".join(blocks), alphabet)
-    assert torch.all(train == 0) and torch.all(held == 1)
-    assert len(held) == 2 * corpus.BLOCK_CHARS
+    assert torch.all(train == 0) and all(torch.all(b == 1) for b in held)
+    assert [len(b) for b in held] == [corpus.BLOCK_CHARS] * 2
+
+
+def test_validation_and_test_halve_the_held_out_text():
+    text = corpus.load()
+    blocks = text.held_out.split(corpus.BLOCK_CHARS)
+    assert torch.equal(text.validation, torch.cat(blocks[0::2]))
+    assert torch.equal(text.test, torch.cat(blocks[1::2]))
+    assert abs(len(text.validation) - len(text.test)) <= corpus.BLOCK_CHARS
 
 
 def test_text_workload_streams_are_per_worker_and_seeded():
@@ -148,43 +152,3 @@ def test_ablation_steps_change_one_thing_at_a_time():
     assert (momentum.halos.lps, momentum.halos.gps) == (h.lps, h.gps)
     assert momentum.halos.merge_alpha == 1.0 and merging.halos.merge_alpha == h.merge_alpha
     assert merging.halos.accumulation_k == 1 and h.accumulation_k == 32
-
-
-@pytest.fixture
-def two_regions(tmp_path):
-    """Two regions of one worker each (as in test_halos_sim): a bench that runs in seconds."""
-    return write_two_region_setup(tmp_path, worker_speeds=[[1.0], [0.5]], num_lps=2)
-
-
-def test_quick_bench_json_shape(two_regions, tmp_path):
-    # --quick on a 2-worker setup with 16 iterations: every code path of the bench in seconds.
-    out = tmp_path / "bench.json"
-    result = CliRunner().invoke(app, [
-        "bench", "halos", "--quick", "--json", str(out), "--iters", "16",
-        "--setup", str(two_regions[0]), "--trace", str(two_regions[1])])
-    assert result.exit_code == 0, result.output
-    data = json.loads(out.read_text())
-    assert data["corpus"]["bytes"] == 4_137_452 and "King James" in data["corpus"]["name"]
-    assert data["model_params"] == 5376 and data["seeds"] == [0, 1, 2]
-    assert [t["fraction"] for t in data["targets"]] == [0.5, 0.9]
-    for target in data["targets"]:
-        assert sorted(target["sync_losses"])[1] == target["loss"]
-        assert set(target["time_to_loss_s"]) == set(METHODS)
-        assert set(target["time_to_loss_s"]["sync"]) == {"median", "min", "max", "reached"}
-        assert target["time_to_loss_s"]["sync"]["reached"] >= 2  # the median seed and better
-    assert list(data["ablation"]["steps"]) == list(experiment.ABLATION)
-    for target in data["ablation"]["targets"]:
-        assert set(target["tokens_to_loss"]) == set(experiment.ABLATION)
-        assert target["tokens_to_loss"]["+accumulation"] == \
-            next(t for t in data["targets"] if t["name"] == target["name"])[
-                "tokens_to_loss"]["halos"]
-    assert data["paper"]["model"] == "pythia-70m"
-    assert data["paper"]["time_to_loss_vs_halos"] == {"diloco": 7.2}
-    assert data["paper"]["ablation_tokens_to_loss_B"]["fedah"] == 38.1
-    sweep = data["ratio_sweep"]
-    assert len(sweep["losses"]) == len(experiment.SWEEP_FRACTIONS)
-    assert all(len(sweep[key][m]) == len(sweep["losses"])
-               for key in ("ratio_vs_halos", "time_to_loss_s") for m in METHODS)
-    assert sweep["ratio_vs_halos"]["halos"][0]["median"] in (1.0, None)
-    assert all(len(data["curves"][n]) == 3 for n in data["curves"])
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

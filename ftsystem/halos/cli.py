@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -19,7 +20,7 @@ ALL_METHODS = "halos,diloco,diloco_dynupd,async_local_sgd,sync"
 
 @dataclass(frozen=True)
 class Preset:
-    """A bench size: the model, the budget, the evaluations."""
+    """A size of ``bench halos-studies``: the model, the budget, the evaluations."""
 
     model: str
     """A ``workload.TEXT_MODELS`` name."""
@@ -31,14 +32,13 @@ class Preset:
     """Held-out windows per evaluation."""
 
 
-# quick: a smoke run of every code path (about 2 min of CPU); full: a model of 1.2 M parameters
-# (hours of CPU on 2 cores: see docs/halos.md).
-QUICK = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=64)
-FULL = Preset(model="base", iters=768, eval_points=32, eval_sequences=128)
 # bench halos-studies runs HALoS alone, 19 variants x 3 seeds: the tiny model fits minutes of CPU.
 STUDIES_QUICK = Preset(model="tiny", iters=16, eval_points=8, eval_sequences=32)
 STUDIES_FULL = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=128)
 SEEDS = "0,1,2"
+# bench halos --quick: every stage of the tuned regime on the tiny model, a smoke run.
+REGIME_QUICK = {"model": "tiny", "iters": 32, "eval_points": 16, "eval_sequences": 64,
+                "noise_every": 4, "step_probe": 8}
 
 SETUP_OPT = typer.Option(DEFAULT_SETUP, "--setup", help="The paper's setup YAML.")
 TRACE_OPT = typer.Option(DEFAULT_TRACE, "--trace", help="Step-time/size trace of Pythia models.")
@@ -67,6 +67,7 @@ def sim_halos(
     local_batch: int = typer.Option(4, help="Sequences per local step of the small model."),
     branching: int = typer.Option(8, help="Likely successors per token of the markov data."),
     eval_points: int = typer.Option(32, help="Held-out evaluations per run."),
+    eval_sequences: int = typer.Option(128, help="Held-out windows per evaluation."),
     link_sharing: bool = typer.Option(False, "--link-sharing", help="Concurrent transfers "
                                       "on a link share its bandwidth (default: each gets all "
                                       "of it, as in the authors' simulator)."),
@@ -78,7 +79,7 @@ def sim_halos(
     """Trace-driven simulation of HALoS and its baselines in virtual time (real loss)."""
     paper, cfg = _load(setup, trace, pythia=pythia, step_time_ms=step_time_ms, iters=iters,
                        eval_points=eval_points, local_batch=local_batch, branching=branching,
-                       non_iid=non_iid, data=data, model=model, eval_sequences=128,
+                       non_iid=non_iid, data=data, model=model, eval_sequences=eval_sequences,
                        seeds=seeds, methods=methods, ablation=ablation, jobs=jobs)
     paper.time_model.link_sharing = link_sharing
     _run("sim halos", paper, trace, cfg, json_path, plot)
@@ -87,26 +88,89 @@ def sim_halos(
 @bench_app.command("halos")
 def bench_halos(
     json_path: Path = typer.Option(..., "--json", help="Write the figures here."),
-    quick: bool = typer.Option(False, "--quick", help=f"The {QUICK.model} model, "
-                               f"{QUICK.iters} iterations (not {FULL.model}, {FULL.iters})."),
+    quick: bool = typer.Option(False, "--quick", help="The tiny model, 32 iterations: every "
+                               "stage in a smoke run (not the small model, 1536)."),
+    tune_only: bool = typer.Option(False, "--tune-only", help="Stop after the tuning and write "
+                                   "its figures (grid, choices, targets) to --json."),
     setup: Path = SETUP_OPT,
     trace: Path = TRACE_OPT,
     iters: int = typer.Option(None, help="Override the number of global iterations."),
     model: str = typer.Option(None, help="Override the model: tiny, small, base."),
-    seeds: str = typer.Option(SEEDS, help="Comma-separated seeds (at least 3 for a spread)."),
+    seeds: str = typer.Option(SEEDS, help="Comma-separated seeds of the measured runs (at "
+                              "least 3 for a spread)."),
     jobs: int = JOBS_OPT,
+    cache: Path = typer.Option(None, help="Keep each finished run here, so that a stopped "
+                               "bench resumes (default: ~/.cache/ftsystem/halos-runs)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Run everything, keep nothing."),
     plot: Path = typer.Option(None, help="Ratio and loss curves (PNG) (default: beside the "
                               "JSON)."),
 ) -> None:
-    """Time to fixed target losses of the five methods and the ablation, on real text."""
-    size = QUICK if quick else FULL
-    paper, cfg = _load(setup, trace, pythia="pythia-70m", step_time_ms=None,
-                       iters=iters or size.iters, eval_points=size.eval_points, local_batch=4,
-                       branching=8, non_iid=False, data="text", model=model or size.model,
-                       eval_sequences=size.eval_sequences, seeds=seeds, methods=ALL_METHODS,
-                       ablation=True, jobs=jobs)
-    _run("bench halos" + (" --quick" if quick else ""), paper, trace, cfg, json_path,
-         plot or json_path.with_suffix(".png"))
+    """Tune every method, fix targets, then time to the targets over seeds, the ablation, the
+    K sweep and the time-model check, on real text (docs/halos.md)."""
+    from ftsystem.halos import regime, runcache
+
+    try:
+        paper = _setup(setup, trace)
+        cfg = regime.RegimeConfig(**(REGIME_QUICK if quick else {}), seeds=_seeds(seeds),
+                                  jobs=jobs)
+        if iters or model:
+            cfg = dataclasses.replace(cfg, iters=iters or cfg.iters, model=model or cfg.model)
+        cfg.sim("test")  # an unknown model or a missing corpus fails before any run
+    except (SetupError, ValueError, RuntimeError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    store = None if no_cache else runcache.RunCache(cache or runcache.DEFAULT_DIR)
+    _run_regime("bench halos" + (" --quick" if quick else ""), paper, cfg, json_path,
+                plot or json_path.with_suffix(".png"), store, tune_only)
+
+
+def _setup(setup: Path, trace: Path) -> PaperSetup:
+    from ftsystem.halos.config import load_setup
+
+    return load_setup(setup, trace=trace)
+
+
+def _run_regime(title: str, paper: PaperSetup, cfg, json_path: Path, plot: Path, cache,
+                tune_only: bool) -> None:
+    """Tune, fix the targets, measure; print the tables, write the JSON and the PNG."""
+    import torch
+
+    from ftsystem.halos import corpus, regime
+    from ftsystem.measure import report
+
+    torch.set_num_threads(1)  # small tensors: threads cost more than they give on shared cores
+    tuned = regime.tune(paper, cfg, _progress, cache)
+    targets = regime.targets_from(tuned)
+    tuning = regime.tuning_summary(paper, cfg, tuned, targets)
+    report.print_table(f"{title}: tuning (validation half, seed {cfg.tune_seed})",
+                       regime.TUNING_COLUMNS, regime.tuning_rows(tuning))
+    typer.echo("targets (fixed from the tuning runs): " + ", ".join(f"{t:.2f}" for t in targets),
+               err=True)
+    num_params, model = _model_of(cfg.sim("test").workload.model)
+    if tune_only:
+        report.write_json(json_path, {"corpus": corpus.describe(), "model": model,
+                                      "model_params": num_params, **tuning,
+                                      "machine": report.machine()})
+        typer.echo(f"figures: {json_path}")
+        return
+    measured = regime.measure(paper, regime.tuned_setups(paper, tuned), cfg, _progress, cache)
+    out = regime.summary(paper, cfg, tuned=tuned, targets=targets, measured=measured,
+                         corpus=corpus.describe(), num_params=num_params, model=model)
+    out["machine"] = report.machine()
+    seeds = f"median [min, max] over seeds {cfg.seeds}"
+    report.print_table(f"{title}: time to the targets ({seeds}); paper: pythia-70m",
+                       regime.TABLE_COLUMNS, regime.table_rows(out))
+    report.print_table(f"{title}: ablation (tokens to the targets)", regime.ABLATION_COLUMNS,
+                       regime.ablation_rows(out))
+    report.print_table(f"{title}: K sweep", regime.K_COLUMNS, regime.k_rows(out))
+    report.print_table(f"{title}: time-model check (the trained model's size and step time)",
+                       regime.TIME_CHECK_COLUMNS, regime.time_check_rows(out))
+    if not out["all_reached"]:
+        typer.echo("note: not every method reached every target in every seed", err=True)
+    report.write_json(json_path, out)
+    regime.plot(out, plot, f"{title}: {model} ({num_params:,} parameters) on the King James "
+                f"Bible, {cfg.iters} iterations, seeds {cfg.seeds}")
+    typer.echo(f"plot: {plot}; figures: {json_path}")
 
 
 @bench_app.command("halos-studies")
@@ -168,7 +232,7 @@ def _run_studies(title: str, paper: PaperSetup, base: StudyConfig, *, studies: l
         raise typer.Exit(2) from None
     curves, targets = studies_mod.run_studies(paper, cfg, progress=_progress,
                                               on_targets=_print_targets)
-    num_params, model = _model_of(base)
+    num_params, model = _model_of(base.sim.workload.model)
     out = studies_mod.summary(curves, targets, paper, cfg, corpus=corpus.describe(),
                               num_params=num_params, model=model)
     out["machine"] = report.machine()
@@ -193,12 +257,11 @@ def _print_targets(targets: list[dict]) -> None:
         f"{t['loss']:.4f} at {t['fraction']:.0%}" for t in targets), err=True)
 
 
-def _model_of(cfg: StudyConfig) -> tuple[int, str]:
-    """The trained model's parameter count and its one-line description."""
+def _model_of(m) -> tuple[int, str]:
+    """The parameter count of the ``ModelConfig`` ``m`` and its one-line description."""
     from ftsystem.example.workload import TinyGPT
     from ftsystem.example.workload import num_params as num_params_of
 
-    m = cfg.sim.workload.model
     return num_params_of(TinyGPT(m)), (f"TinyGPT d{m.d_model} L{m.num_layers} "
                                        f"heads{m.num_heads} ctx{m.seq_len} vocab{m.vocab_size}")
 
@@ -263,7 +326,7 @@ def _run(title: str, paper: PaperSetup, trace: Path, cfg: StudyConfig, json_path
     torch.set_num_threads(1)  # small tensors: threads cost more than they give on shared cores
     work = cfg.sim.workload
     study = experiment.run_study(paper, cfg, progress=_progress, on_targets=_print_targets)
-    num_params, model = _model_of(cfg)
+    num_params, model = _model_of(cfg.sim.workload.model)
     data = corpus.describe() if work.data == "text" else {
         "name": f"synthetic Markov language ({work.branching} likely successors)", "bytes": 0}
     out = experiment.summary(

@@ -186,6 +186,25 @@ class AsyncLocalSgdConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PaperTraining:
+    """The paper's Pythia-70M run (the YAML's ``pythia_70m``): what a scaled-down regime is
+    compared with."""
+
+    iterations: int
+    """Global iterations of the run."""
+    global_batch: int
+    """Sequences per iteration, over all workers."""
+    local_batch: int
+    """Sequences per local step of one worker."""
+    seq_len: int
+    """Tokens per sequence."""
+
+    @property
+    def tokens(self) -> int:
+        return self.iterations * self.global_batch * self.seq_len
+
+
+@dataclass(kw_only=True, slots=True)
 class PaperSetup:
     """Everything the YAML and the trace say."""
 
@@ -205,6 +224,8 @@ class PaperSetup:
     """Reported time-to-loss relative to HALoS, per Pythia size."""
     paper_ablation: dict[str, dict[str, float]]
     """Reported ablation (billions of tokens to the target loss), per Pythia size."""
+    paper_training: PaperTraining
+    """The paper's Pythia-70M run: iterations, batches, sequence length."""
 
 
 def load_setup(path: str | Path = DEFAULT_SETUP, *, trace: str | Path = DEFAULT_TRACE,
@@ -272,7 +293,8 @@ def _build(doc: dict, trace: dict, model: str, step_time_ms: float | None) -> Pa
                       worker=_worker(doc), halos=halos, diloco=_diloco(doc["diloco"]),
                       async_local_sgd=_async(doc["async_local_sgd"]),
                       paper_ratios=_paper_ratios(doc.get("reported_results", {})),
-                      paper_ablation=_paper_ablation(doc.get("reported_results", {})))
+                      paper_ablation=_paper_ablation(doc.get("reported_results", {})),
+                      paper_training=_paper_training(doc["pythia_70m"]))
 
 
 def _network(doc: dict) -> Network:
@@ -300,6 +322,12 @@ def _time_model(doc: dict, trace: dict, model: str, step_time_ms: float | None) 
     _require(step_time_ms > 0, "the local step time must be > 0")
     return TimeModel(num_params=int(entry["params"]), local_step_time_s=float(step_time_ms) / 1e3,
                      tokens_per_local_step=int(section["local_batch"]) * int(section["seq_len"]))
+
+
+def _paper_training(section: dict) -> PaperTraining:
+    return PaperTraining(iterations=int(section["total_iters"]),
+                         global_batch=int(section["global_batch"]),
+                         local_batch=int(section["local_batch"]), seq_len=int(section["seq_len"]))
 
 
 def _worker(doc: dict) -> WorkerOptimizer:

@@ -7,9 +7,11 @@ newlines they are 4,137,452 ASCII characters (the last newline included) over a 
 at run time, and the package's own module is never imported (it needs ``pkg_resources``): the
 file is found through the distribution's metadata.
 
-The text is cut into blocks of ``BLOCK_CHARS``; every ``HELD_OUT_EVERY``-th block is held out for
-validation, so training and held-out text cover the whole book alike and never overlap.
-Characters are encoded as their index in the sorted alphabet.
+The text is cut into blocks of ``BLOCK_CHARS``; every ``HELD_OUT_EVERY``-th block is held out, so
+training and held-out text cover the whole book alike and never overlap. The held-out blocks are
+dealt in turn to two halves, ``validation`` (for choosing hyperparameters) and ``test`` (for the
+figures reported after the choice), which cover the whole book alike too. Characters are encoded
+as their index in the sorted alphabet.
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ class Corpus:
     train: torch.Tensor
     """Training text as tokens (uint8)."""
     held_out: torch.Tensor
-    """Held-out text as tokens (uint8)."""
+    """Held-out text as tokens (uint8): ``validation`` and ``test`` together, in text order."""
+    validation: torch.Tensor
+    """The even-numbered held-out blocks: the split hyperparameters are chosen on."""
+    test: torch.Tensor
+    """The odd-numbered held-out blocks: the split results are reported on."""
 
     @property
     def vocab_size(self) -> int:
@@ -81,8 +87,8 @@ def read_text(path: Path) -> str:
     return "\n".join(verses) + "\n"
 
 
-def split(text: str, alphabet: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens of the training blocks and of the held-out blocks, each in text order."""
+def split(text: str, alphabet: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Tokens of the training blocks, and the held-out blocks, each in text order."""
     table = torch.zeros(256, dtype=torch.uint8)
     table[torch.tensor(list(alphabet.encode("ascii")))] = torch.arange(len(alphabet),
                                                                       dtype=torch.uint8)
@@ -90,7 +96,7 @@ def split(text: str, alphabet: str) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = tokens.split(BLOCK_CHARS)
     held = [b for i, b in enumerate(blocks) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [b for i, b in enumerate(blocks) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    return torch.cat(train), torch.cat(held)
+    return torch.cat(train), held
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,9 +104,10 @@ def load() -> Corpus:
     """The King James Bible, split; read once per process."""
     text = read_text(corpus_path())
     alphabet = "".join(sorted(set(text)))
-    train, held_out = split(text, alphabet)
+    train, held = split(text, alphabet)
     return Corpus(name=NAME, num_bytes=len(text.encode()), alphabet=alphabet, train=train,
-                  held_out=held_out)
+                  held_out=torch.cat(held), validation=torch.cat(held[0::2]),
+                  test=torch.cat(held[1::2]))
 
 
 def describe() -> dict:
@@ -108,7 +115,8 @@ def describe() -> dict:
     text = load()
     return {"name": text.name, "bytes": text.num_bytes, "package": f"{DISTRIBUTION} (PyPI)",
             "file": DATA_FILE, "license": LICENSE, "alphabet": text.vocab_size,
-            "train_chars": len(text.train), "held_out_chars": len(text.held_out)}
+            "train_chars": len(text.train), "held_out_chars": len(text.held_out),
+            "validation_chars": len(text.validation), "test_chars": len(text.test)}
 
 
 def windows(tokens: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 import multiprocessing
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ftsystem.halos.config import HalosConfig, PaperSetup
+from ftsystem.halos.runcache import RunCache, run_key
 from ftsystem.halos.simulator import Curve, SimConfig, simulate
 
 REFERENCE = "sync"
@@ -98,24 +99,54 @@ class Study:
     """Local steps each run's judged model absorbs."""
 
 
-def _run(task: tuple[PaperSetup, SimConfig, Variant, int]) -> Curve:
-    setup, sim, variant, seed = task
+def resolve(setup: PaperSetup, sim: SimConfig, variant: Variant,
+            seed: int) -> tuple[PaperSetup, SimConfig]:
+    """The setup and simulation settings ``variant`` runs with for ``seed``."""
     setup = variant.setup or setup
     if variant.halos is not None:
         setup = replace(setup, halos=variant.halos)
     non_iid = sim.workload.non_iid if variant.non_iid is None else variant.non_iid
-    sim = replace(sim, workload=replace(sim.workload, seed=seed, non_iid=non_iid))
-    curve = simulate(setup, sim, variant.method)
+    return setup, replace(sim, workload=replace(sim.workload, seed=seed, non_iid=non_iid))
+
+
+def _run(task: tuple[PaperSetup, SimConfig, Variant, int]) -> Curve:
+    setup, sim, variant, seed = task
+    curve = simulate(*resolve(setup, sim, variant, seed), variant.method)
     curve.method = variant.name
     return curve
 
 
-def run_all(tasks: list, jobs: int, progress: Callable[[Curve, int], None]) -> list[Curve]:
-    """Run ``(setup, sim, variant, seed)`` tasks, ``jobs`` at once; their curves in order."""
-    if jobs <= 1:
-        return [_keep(progress, _run(t), t[3]) for t in tasks]
+def run_all(tasks: list, jobs: int, progress: Callable[[Curve, int], None],
+            cache: RunCache | None = None) -> list[Curve]:
+    """Run ``(setup, sim, variant, seed)`` tasks, ``jobs`` at once; their curves in order.
+
+    With ``cache``, a task it holds is not run again, and each finished run is stored as soon
+    as it ends: a run stopped halfway redoes only the runs it had not finished.
+    """
+    keys = [_key(t) for t in tasks] if cache is not None else [None] * len(tasks)
+    done = {i: c for i, k in enumerate(keys) if k and (c := cache.get(k)) is not None}
+    for i, c in done.items():
+        c.method = tasks[i][2].name
+    todo = [i for i in range(len(tasks)) if i not in done]
+    for i, curve in zip(todo, _imap([tasks[i] for i in todo], jobs)):
+        if cache is not None:
+            cache.put(keys[i], curve)
+        done[i] = _keep(progress, curve, tasks[i][3])
+    return [done[i] for i in range(len(tasks))]
+
+
+def _key(task: tuple[PaperSetup, SimConfig, Variant, int]) -> str:
+    setup, sim, variant, seed = task
+    return run_key(*resolve(setup, sim, variant, seed), variant.method)
+
+
+def _imap(tasks: list, jobs: int) -> Iterator[Curve]:
+    """The tasks' curves in order, as each finishes; ``jobs`` forked processes at once."""
+    if jobs <= 1 or len(tasks) <= 1:
+        yield from map(_run, tasks)
+        return
     with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
-        return [_keep(progress, c, t[3]) for c, t in zip(pool.imap(_run, tasks), tasks)]
+        yield from pool.imap(_run, tasks)
 
 
 def _keep(progress: Callable[[Curve, int], None], curve: Curve, seed: int) -> Curve:
@@ -327,7 +358,8 @@ def ablation_rows(out: dict) -> list[list]:
     return rows
 
 
-def _band(stats: list[dict | None], scale: float = 1.0) -> tuple[list, list, list]:
+def band(stats: list[dict | None], scale: float = 1.0) -> tuple[list, list, list]:
+    """Median, min and max lines of a list of ``spread``s (NaN where missing), over ``scale``."""
     def get(s: dict | None, key: str) -> float:
         return math.nan if s is None or s[key] is None else s[key] / scale
     return ([get(s, "median") for s in stats], [get(s, "min") for s in stats],
@@ -345,7 +377,7 @@ def plot(out: dict, path: str | Path, title: str) -> None:
     for m in sweep["time_to_loss_s"]:
         for ax, key, scale in [(by_target, "time_to_loss_s", 3600),
                                (by_ratio, "ratio_vs_halos", 1)]:
-            med, low, high = _band(sweep[key].get(m, []), scale)
+            med, low, high = band(sweep[key].get(m, []), scale)
             line, = ax.plot(sweep["losses"][:len(med)], med, marker=".", color=colors.get(m),
                             label=m)
             colors[m] = line.get_color()

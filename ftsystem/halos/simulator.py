@@ -24,6 +24,9 @@ from ftsystem.halos.rules import ServerState
 from ftsystem.halos.workload import CHUNK_SEQUENCES, Workload, WorkloadConfig
 
 METHODS = ("halos", "diloco", "diloco_dynupd", "async_local_sgd", "sync")
+SYNCHRONOUS = ("diloco", "diloco_dynupd", "sync")
+"""Methods whose model changes only at rounds of equal virtual length: their losses do not
+depend on the time model, and their times scale with the round's length."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,10 +40,14 @@ class SimConfig:
     """Held-out evaluations over the budget (at most one per server update)."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     """The small model and its data."""
+    noise_every: int = 0
+    """Sync only, when > 0: every ``noise_every``-th step also measures each worker's own
+    gradient and their mean (``Curve.noise``) for the gradient noise scale. The step itself is
+    unchanged."""
 
     def __post_init__(self) -> None:
-        if self.total_iters < 1 or self.eval_points < 1:
-            raise ValueError("total_iters and eval_points must be >= 1")
+        if self.total_iters < 1 or self.eval_points < 1 or self.noise_every < 0:
+            raise ValueError("total_iters and eval_points must be >= 1, noise_every >= 0")
         if not 1 <= self.workload.local_batch <= CHUNK_SEQUENCES:
             raise ValueError(f"local_batch must lie in 1..{CHUNK_SEQUENCES}")
 
@@ -59,6 +66,11 @@ class Curve:
     """Held-out loss at each evaluation."""
     final_accuracy: float | None = None
     """Next-character (next-token) accuracy of the final model on the held-out windows."""
+    updates: int = 0
+    """Updates of the judged model (GPS updates, DiLoCo rounds, server or sync steps)."""
+    noise: list[list[float]] = field(default_factory=list)
+    """Sync with ``SimConfig.noise_every``: ``[local steps, mean |g_w|^2, |mean g_w|^2]`` per
+    probe, g_w the gradient of worker w's batch (``Workload.gradient_norms``)."""
     wall_s: float = 0.0
     """Real seconds the simulation took."""
     cpu_s: float = 0.0
@@ -115,11 +127,6 @@ class Run:
             link = self._links[src, dst] = timemodel.SharedLink(self.env, self.gbps(src, dst))
         yield link.transfer(self.model_bytes)
 
-    def local_steps(self, h: int, dynamic: bool) -> list[int]:
-        """Each worker's H, rescaled by its speed for dynamic local updates."""
-        speeds = self.setup.network.speeds
-        return [rules.scaled_local_steps(h, s, max(speeds)) if dynamic else h for s in speeds]
-
     def claim(self, steps: int) -> int:
         """Hand out ``steps`` local steps of data; returns the global iteration they start at.
 
@@ -150,6 +157,7 @@ class Run:
         if self.done.triggered:  # events due at the very instant the budget was reached
             return
         self._applied += steps
+        self.curve.updates += 1
         finished = self._applied >= self.budget
         if self._applied >= self._next_eval or finished:
             self._evaluate(theta)
@@ -181,13 +189,29 @@ def simulate(setup: PaperSetup, cfg: SimConfig, method: str) -> Curve:
     return Run(setup, cfg, method).execute(PROCESSES[method])
 
 
-def _sync_step_s(run: Run, steps: list[int]) -> float:
-    """A synchronous round: the slowest worker's compute, then a ring all-reduce of the model."""
-    net, tm = run.setup.network, run.setup.time_model
+def local_steps(setup: PaperSetup, h: int, dynamic: bool) -> list[int]:
+    """Each worker's H, rescaled by its speed for dynamic local updates."""
+    speeds = setup.network.speeds
+    return [rules.scaled_local_steps(h, s, max(speeds)) if dynamic else h for s in speeds]
+
+
+def sync_round_s(setup: PaperSetup, steps: list[int]) -> float:
+    """A synchronous round (sync's step, DiLoCo's round) in which worker i runs ``steps[i]``
+    local steps: the slowest worker's compute, then a ring all-reduce of the model."""
+    net, tm = setup.network, setup.time_model
     compute = max(timemodel.compute_s(h, s, tm.local_step_time_s)
                   for h, s in zip(steps, net.speeds))
     ring = timemodel.best_ring_gbps(net.bandwidth_gbps)
-    return compute + timemodel.ring_allreduce_s(run.model_bytes, run.num_workers, ring)
+    return compute + timemodel.ring_allreduce_s(tm.model_bytes, len(net.speeds), ring)
+
+
+def round_steps(setup: PaperSetup, method: str) -> list[int]:
+    """Each worker's local steps per round of a synchronous method (sync, DiLoCo's two)."""
+    if method == "sync":
+        return [1] * len(setup.network.speeds)
+    if method in ("diloco", "diloco_dynupd"):
+        return local_steps(setup, setup.diloco.local_steps, method == "diloco_dynupd")
+    raise ValueError(f"{method!r} has no rounds; synchronous methods: {', '.join(SYNCHRONOUS)}")
 
 
 def _sync(run: Run) -> Generator:
@@ -197,10 +221,15 @@ def _sync(run: Run) -> Generator:
     one backward pass over that batch stands for the all-reduce.
     """
     theta, opt = run.work.theta0, run.work.adamw()
-    step_s = _sync_step_s(run, [1] * run.num_workers)
+    step_s = sync_round_s(run.setup, round_steps(run.setup, "sync"))
+    every = run.cfg.noise_every
     while True:
         start = run.claim(run.num_workers)
-        batch = torch.cat([run.work.batches(w, 1)[0] for w in range(run.num_workers)])
+        batches = [run.work.batches(w, 1)[0] for w in range(run.num_workers)]
+        if every and (start + 1) % every == 0:
+            run.curve.noise.append([start * run.num_workers,
+                                    *run.work.gradient_norms(theta, batches)])
+        batch = torch.cat(batches)
         update, _ = rules.local_sgd(run.work.model, opt, theta, [batch], run.lrs(start, 1),
                                     grad_clip=run.setup.worker.grad_clip)
         yield run.env.timeout(step_s)
@@ -217,9 +246,9 @@ def _diloco(run: Run, *, dynamic: bool) -> Generator:
     not: a worker later in the round starts later in the schedule).
     """
     cfg = run.setup.diloco
-    steps = run.local_steps(cfg.local_steps, dynamic)
+    steps = round_steps(run.setup, "diloco_dynupd" if dynamic else "diloco")
     same = len(set(steps)) == 1
-    round_s, state = _sync_step_s(run, steps), ServerState.start(run.work.theta0)
+    round_s, state = sync_round_s(run.setup, steps), ServerState.start(run.work.theta0)
     while True:
         starts = [run.claim(h) for h in steps]
         starts = [s - s % steps[0] for s in starts] if same else starts
@@ -264,7 +293,7 @@ def _async_local_sgd(run: Run) -> Generator:
         state = rules.server_apply(state, grad, cfg.server)
         run.record(steps, state.theta)
 
-    for w, h in enumerate(run.local_steps(cfg.local_steps, cfg.dynamic_local_updates)):
+    for w, h in enumerate(local_steps(run.setup, cfg.local_steps, cfg.dynamic_local_updates)):
         run.env.process(_async_worker(run, w, h, region, lambda _: state.theta, push))
     yield run.done
 
@@ -312,7 +341,7 @@ class _Halos:
 def _halos(run: Run) -> Generator:
     """HALoS: workers -> their region's LPS (local momentum) -> GPS (global momentum)."""
     servers = _Halos(run)
-    for w, h in enumerate(run.local_steps(run.setup.halos.local_steps, dynamic=True)):
+    for w, h in enumerate(local_steps(run.setup, run.setup.halos.local_steps, dynamic=True)):
         region = run.setup.network.worker_regions[w]
         run.env.process(_async_worker(run, w, h, region, servers.pull, servers.push))
     yield run.done

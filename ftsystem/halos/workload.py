@@ -31,6 +31,7 @@ from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
 
 CHUNK_SEQUENCES = 512
 EVAL_SHARD = 1_000_000  # data streams of workers are shards 0..n-1; held-out data lives far away
+EVAL_SPLITS = ("held_out", "validation", "test")
 
 
 def small_model() -> ModelConfig:
@@ -75,10 +76,16 @@ class WorkloadConfig:
     """Seed of the languages, the data and the initial model."""
     eval_sequences: int = 256
     """Held-out sequences (per language for ``markov``) for the loss curves."""
+    eval_split: str = "held_out"
+    """For ``text``, the held-out text the loss curves measure: ``held_out`` (all of it),
+    ``validation`` (the half hyperparameters are chosen on) or ``test`` (the other half)."""
 
     def __post_init__(self) -> None:
         if self.data not in ("text", "markov"):
             raise ValueError(f"unknown data {self.data!r}; choose text or markov")
+        if self.eval_split not in EVAL_SPLITS:
+            raise ValueError(f"unknown eval_split {self.eval_split!r}; choose from "
+                             f"{', '.join(EVAL_SPLITS)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,9 +153,9 @@ class Workload:
         if self.cfg.model.vocab_size != text.vocab_size:
             raise ValueError(f"the model's vocabulary ({self.cfg.model.vocab_size}) is not the "
                              f"corpus's alphabet ({text.vocab_size}): build it with text_model()")
-        length = self.cfg.model.seq_len + 1
-        starts = torch.linspace(0, len(text.held_out) - length, self.cfg.eval_sequences).long()
-        return [corpus.windows(text.held_out, starts, length).long()]
+        held, length = getattr(text, self.cfg.eval_split), self.cfg.model.seq_len + 1
+        starts = torch.linspace(0, len(held) - length, self.cfg.eval_sequences).long()
+        return [corpus.windows(held, starts, length).long()]
 
     def _text_range(self, worker: int) -> tuple[int, int]:
         """The share of the training text worker ``worker`` reads: all of it, or its region's."""
@@ -189,6 +196,20 @@ class Workload:
         """Worker ``worker`` runs ``len(lrs)`` local steps from ``theta``: its pseudo-gradient."""
         return local_sgd(self.model, self._optimizers[worker], theta,
                          self.batches(worker, len(lrs)), lrs, grad_clip=self.opt_cfg.grad_clip)
+
+    def gradient_norms(self, theta: torch.Tensor,
+                       batches: Sequence[torch.Tensor]) -> tuple[float, float]:
+        """At ``theta``, the mean squared norm of each batch's gradient and the squared norm of
+        their mean (the gradient of all of them together when they are of one size): the two
+        measurements of the gradient noise scale (McCandlish et al. 2018, appendix A.1)."""
+        load_flat(self.model, theta)
+        grads = []
+        for batch in batches:
+            self.model.zero_grad(set_to_none=True)
+            self.model.loss(batch).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]))
+        g = torch.stack(grads)
+        return float(g.square().sum(1).mean()), float(g.mean(0).square().sum())
 
     @torch.no_grad()
     def evaluate(self, theta: torch.Tensor) -> float:
