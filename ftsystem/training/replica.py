@@ -42,7 +42,6 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ftsystem.chaos.faults import FaultPoint, FaultSchedule
@@ -70,6 +69,7 @@ from ftsystem.training.settings import ENV_LOG_BUDGET, ENV_LOG_PLACE, ReplicaSet
 from ftsystem.training.devices import free_memory
 from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
 from ftsystem.training.state_access import replica_access
+from ftsystem.training.stores import listening_store
 from ftsystem.training.update_log import UpdateLog, log_on_host
 
 __all__ = ["FTReplica", "ReplicaEvictedError", "DivergenceError"]
@@ -132,9 +132,7 @@ class FTReplica:
         self.faults = FaultSchedule.from_env() if last_rank else FaultSchedule([])
         # The rendezvous store for the epochs this replica leads (it is members[0]), hosted by
         # its rank 0 for every shard's group.
-        self._rendezvous = dist.TCPStore(self.ctx.host, 0, is_master=True,
-                                         wait_for_workers=False) if self.ctx.rank == 0 \
-            else None
+        self._rendezvous = listening_store(self.ctx.host) if self.ctx.rank == 0 else None
         layout = FlatLayout(params, forward_buffers(model))
         device = layout.device
         self.objects = ReplicatedObjects()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftsystem.training.devices import local_device, use_device
+from ftsystem.training.stores import replica_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,5 +106,11 @@ def init_replica_group() -> int:
     use_device(local_device())  # before the group: NCCL binds communicators to it
     size = int(os.environ.get("WORLD_SIZE", "1"))  # every node's ranks of the replica
     if size > 1 and not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        rank = int(os.environ["RANK"])
+        # torch's env:// rendezvous would serve the store on every address: this one listens
+        # on the agent's advertised address only
+        store = replica_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              serve=rank == 0)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                store=store, rank=rank, world_size=size)
     return size
