@@ -67,6 +67,9 @@ def test_job_view_follows_registrations(controller, etcd, job_id):
     metrics = httpx.get(f"{controller}/metrics", headers=AUTH).text
     assert f'ftsystem_epoch{{job="{job_id}"}} 2.0' in metrics
     assert f'ftsystem_controller_is_leader{{job="{job_id}"}} 1.0' in metrics
+    # Its counters and histograms export no creation timestamps.
+    assert f'ftsystem_membership_changes_total{{job="{job_id}",reason="removal"}} 1.0' in metrics
+    assert "_created" not in metrics
     assert httpx.get(f"{controller}/healthz").json()["leader"] is True
     groups = httpx.get(f"{controller}/v1/sd/prometheus", headers=AUTH).json()
     targets = {(g["labels"]["component"], g["labels"]["instance_id"]): g["targets"] for g in groups}

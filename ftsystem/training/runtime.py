@@ -213,7 +213,8 @@ class ControlPlane:
         self._lease_used = ctx.lease_id
         self._write_lock: asyncio.Lock | None = None  # created on the background loop
         self._bg.run(self._store.connect())
-        metrics.init_replica(ctx.job, ctx.replica_id)
+        metrics.init_replica(ctx.job, ctx.replica_id,
+                             speaks_for_replica=self.speaks_for_replica)
         # The first read of the epoch happens before the constructor returns: callers decide
         # on it (catch up, or join a starting job).
         items, revision = self._bg.run(self._store.get_prefix(keys.epoch(ctx.job)))
@@ -248,7 +249,8 @@ class ControlPlane:
 
     @property
     def speaks_for_replica(self) -> bool:
-        """Rank 0 alone publishes the replica's registration; the other ranks only follow."""
+        """Rank 0 alone publishes the replica's registration and exports its replica-level
+        metrics; the other ranks only follow."""
         return self.ctx.rank == 0
 
     def register(self, *, wait: bool = True, **changes: Any) -> None:
