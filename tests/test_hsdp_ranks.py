@@ -62,14 +62,16 @@ def test_a_killed_rank_restarts_its_replica_which_catches_up_shard_by_shard(tmp_
     assert summary["bitwise_identical"]
 
     # The replica's series come once, from its rank 0; each rank exports its own rank-level
-    # ones; no creation timestamps.
-    _, texts = found
+    # ones; no creation timestamps. Both ranks and their agent carry their machine as `host`.
+    labels, texts = found
     replica_level = {f.name for f in metrics.REPLICA_LEVEL.collect()}
     rank_level = {m.describe()[0].name for m in metrics.RANK_LEVEL}
     exported = {rank: _exported(text) for rank, text in texts.items()}
     assert replica_level | rank_level <= exported["0"]
     assert rank_level <= exported["1"] and not replica_level & exported["1"]
     assert not any("_created" in text for text in texts.values())
+    machine = f"{cfg.job}-r0-n0"  # the --node-id ftsystem run gives r0's only node
+    assert [label["host"] for label in labels] == [machine] * 3, labels
 
 
 def _scrape_ranks(base: str, out_dir: Path, replica: str
