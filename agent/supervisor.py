@@ -570,6 +570,7 @@ class Agent:
             runtime.ENV_GENERATION: str(generation.number),
             runtime.ENV_LEASE: str(generation.lease),
             runtime.ENV_LEASE_FILE: str(self.lease_file), runtime.ENV_HOST: self.cfg.host,
+            runtime.ENV_NODE_ID: self.cfg.node_id,
             runtime.ENV_KILL_AT: format_fault_points(self.kill_at)}
         for local_rank in range(self.cfg.nproc_per_node):
             heartbeat = self.workdir / f"heartbeat-g{generation.number}-r{local_rank}"

@@ -315,13 +315,15 @@ def discovery_targets(job: str, items: dict[str, bytes]) -> list[dict]:
 
     Target labels name the process: ``replica`` and ``node_rank`` for an agent, ``replica`` and
     ``rank`` for a training rank (each rank publishes its endpoint; a replica whose ranks did
-    not, an older writer, is found by its registration, as rank 0)."""
+    not, an older writer, is found by its registration, as rank 0), and ``host`` for both: the
+    machine (the agent's ``--node-id``), as its agent and its ranks recorded it."""
     groups = []
 
-    def add(addr: Any, component: str, instance_id: str, **labels: str) -> None:
+    def add(addr: Any, component: str, instance_id: str, **labels: str | None) -> None:
         if addr:
             groups.append({"targets": [addr], "labels": {
-                "job": job, "component": component, "instance_id": instance_id, **labels}})
+                "job": job, "component": component, "instance_id": instance_id,
+                **{k: v for k, v in labels.items() if v}}})
 
     def under(prefix: str) -> list[tuple[str, dict]]:
         return [(k[len(prefix):], json.loads(v)) for k, v in sorted(items.items())
@@ -332,12 +334,13 @@ def discovery_targets(job: str, items: dict[str, bytes]) -> list[dict]:
     for name, record in under(keys.agents(job)):
         replica, _, node = name.partition("/")
         add(record.get("metrics_addr"), "agent", name, replica=replica,
-            node_rank=node.lstrip("0") or "0")
+            node_rank=node.lstrip("0") or "0", host=record.get("node_id"))
     ranked = set()
     for name, record in under(keys.metrics_endpoints(job)):
         replica, _, rank = name.partition("/")
         ranked.add(replica)
-        add(record.get("addr"), "replica", name, replica=replica, rank=rank.lstrip("0") or "0")
+        add(record.get("addr"), "replica", name, replica=replica, rank=rank.lstrip("0") or "0",
+            host=record.get("node_id"))
     for name, record in under(keys.replicas(job)):
         if name not in ranked:
             add(record.get("metrics_addr"), "replica", name, replica=name, rank="0")

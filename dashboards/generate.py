@@ -277,7 +277,7 @@ def job_overview() -> Dashboard:
                        "took over: time-based (share of time the job advances at its normal "
                        "pace) and work-based (steps committed over what all replicas could).",
                        "percentunit",
-                       query(f"max by (kind) (ftsystem_ettr{{{JOB}}})", "{{kind}}")),
+                       query(f"max by (kind) (ftsystem_ettr_ratio{{{JOB}}})", "{{kind}}")),
             timeseries("Steps per second", f"Committed steps per second: the job (its fastest "
                        f"replica) and the {TOPK} slowest replicas.", "none",
                        query(f"max(rate(ftsystem_steps_committed_total{{{JOB}}}"
@@ -370,7 +370,8 @@ def replica_detail() -> Dashboard:
                              "{{replica}}"), width=8),
         ]),
         ("Training", [
-            timeseries("Training loss", f"Last loss each replica committed ({TOPK} highest).",
+            timeseries("Training loss", f"Last loss each replica committed, as its rank 0 "
+                       f"passed it ({TOPK} highest).",
                        "none", query(worst("topk", f"max by (replica) "
                                                    f"(ftsystem_training_loss{{{REPLICA}}})"),
                                      "{{replica}}")),

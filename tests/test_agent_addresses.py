@@ -63,6 +63,7 @@ def test_fixed_metrics_ports_and_the_advertised_address(etcd, job_id, tmp_path):
         assert f"ftsystem_replica_restarts_total{{{labels}}} 0.0" in text  # before any restart
         assert (f'ftsystem_failures_injected_total{{action="kill",job="{job_id}",state="done"}}'
                 f" 0.0") in text
+        assert "_created" not in text  # no creation timestamp beside each counter
         wait_for(lambda: out.exists() and out.read_text(), 30, "the rank's metrics endpoint")
         assert out.read_text() == f"127.0.0.1:{port + 1}"  # local rank 0: P + 1
         assert httpx.get(f"http://127.0.0.1:{port + 1}/metrics").status_code == 200

@@ -35,10 +35,14 @@ async def _register(etcd_url: str, job: str, rids: list[str]) -> dict[str, int]:
                                store_addr=STORE_ADDR, state_addr=STATE_ADDR, step=7,
                                metrics_addr=f"127.0.0.1:9{rid}")
             await store.put(keys.replica(job, rid), reg.to_json(), lease=leases[rid])
-        # Replica a's two ranks publish their own endpoints.
+        # Replica a's two ranks publish their own endpoints, one rank on each of its machines
+        # m0 and m1; the agent of m1 its own.
         for rank in (0, 1):
             await store.put_json(keys.metrics_endpoint(job, "a", rank),
-                                 {"addr": f"127.0.0.1:8{rank}"}, lease=leases["a"])
+                                 {"addr": f"127.0.0.1:8{rank}", "node_id": f"m{rank}"},
+                                 lease=leases["a"])
+        await store.put_json(keys.agent(job, "a", 1),
+                             {"metrics_addr": "127.0.0.1:71", "node_id": "m1"}, lease=leases["a"])
     return leases
 
 
@@ -67,14 +71,21 @@ def test_job_view_follows_registrations(controller, etcd, job_id):
     metrics = httpx.get(f"{controller}/metrics", headers=AUTH).text
     assert f'ftsystem_epoch{{job="{job_id}"}} 2.0' in metrics
     assert f'ftsystem_controller_is_leader{{job="{job_id}"}} 1.0' in metrics
+    # Its counters and histograms export no creation timestamps.
+    assert f'ftsystem_membership_changes_total{{job="{job_id}",reason="removal"}} 1.0' in metrics
+    assert "_created" not in metrics
     assert httpx.get(f"{controller}/healthz").json()["leader"] is True
     groups = httpx.get(f"{controller}/v1/sd/prometheus", headers=AUTH).json()
     targets = {(g["labels"]["component"], g["labels"]["instance_id"]): g["targets"] for g in groups}
     assert ("replica", "b") not in targets
     assert targets[("replica", "c")] == ["127.0.0.1:9c"]  # no rank endpoints: its registration
-    ranks = {g["labels"]["rank"]: g["targets"] for g in groups
-             if g["labels"].get("replica") == "a"}
-    assert ranks == {"0": ["127.0.0.1:80"], "1": ["127.0.0.1:81"]}  # every rank, labelled
+    ranks = {g["labels"]["rank"]: (g["targets"], g["labels"]["host"]) for g in groups
+             if g["labels"]["component"] == "replica" and g["labels"]["replica"] == "a"}
+    # Every rank, labelled with its rank and its machine.
+    assert ranks == {"0": (["127.0.0.1:80"], "m0"), "1": (["127.0.0.1:81"], "m1")}
+    assert {"targets": ["127.0.0.1:71"], "labels": {
+        "job": job_id, "component": "agent", "instance_id": "a/00001", "replica": "a",
+        "node_rank": "1", "host": "m1"}} in groups
     assert [c for c, _ in targets].count("controller") == 1
     assert all(g["labels"]["job"] == job_id for g in groups)
 

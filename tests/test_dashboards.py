@@ -112,6 +112,10 @@ def test_every_panel_returns_data_from_a_real_job(etcd, job_id, tmp_path):
         targets = httpx.get(f"{prom}/api/v1/targets").json()["data"]["activeTargets"]
         replicas = [t["labels"] for t in targets if t["labels"].get("component") == "replica"]
         assert {(t["replica"], t["rank"]) for t in replicas} <= {("r0", "0"), ("r1", "0")}
+        # Ranks and agents carry their machine: the --node-id `ftsystem run` gives each node.
+        hosts = {t["labels"]["host"] for t in targets
+                 if t["labels"].get("component") in ("replica", "agent")}
+        assert hosts and hosts <= {f"{job_id}-r0-n0", f"{job_id}-r1-n0"}, hosts
         runner.join(120)
         assert summaries, "the job did not end in time"
         assert len(summaries[0]["failures"]) == 1, summaries[0]["failures"]

@@ -337,12 +337,14 @@ def test_summary_times_the_loss_from_the_start_and_discovery_names_every_endpoin
     assert summary["startup_s"] == 10.0
     nodes = {keys.halos_node("j", "gps"): json.dumps({"role": "gps", "url": "http://a:1"}),
              keys.halos_node("j", "w0"): json.dumps({"role": "worker", "metrics": "b:2"})}
-    agents = {keys.agent("j", "w0", 0): json.dumps({"metrics_addr": "c:3"})}
+    # w0's agent names its machine: w0 and its agent carry it as `host`; gps has no agent here.
+    agents = {keys.agent("j", "w0", 0): json.dumps({"metrics_addr": "c:3", "node_id": "m1"})}
     assert prometheus_targets("j", nodes, agents) == [
         {"targets": ["a:1"], "labels": {"job": "j", "component": "gps", "instance_id": "gps"}},
-        {"targets": ["b:2"], "labels": {"job": "j", "component": "worker", "instance_id": "w0"}},
+        {"targets": ["b:2"], "labels": {"job": "j", "component": "worker", "instance_id": "w0",
+                                        "host": "m1"}},
         {"targets": ["c:3"], "labels": {"job": "j", "component": "agent",
-                                        "instance_id": "w0/00000"}}]
+                                        "instance_id": "w0/00000", "host": "m1"}}]
 
 
 # --- shaping for real: namespaces, tc ---------------------------------------------------------

@@ -90,7 +90,7 @@ def _terms(log: Path) -> int:
 
 def _work_ettr(api: httpx.Client, job: str) -> float | None:
     text = api.get("/metrics", headers=AUTH).text
-    found = re.search(rf'ftsystem_ettr{{job="{job}",kind="work"}} (\S+)', text)
+    found = re.search(rf'ftsystem_ettr_ratio{{job="{job}",kind="work"}} (\S+)', text)
     return float(found.group(1)) if found else None
 
 

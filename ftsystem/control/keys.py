@@ -101,8 +101,9 @@ def generation(job_id: str, replica_id: str) -> str:
 
 
 def metrics_endpoints(job_id: str) -> str:
-    """Every rank's metrics endpoint, ``<replica>/<rank>`` -> ``{"addr": "host:port"}``, on the
-    replica lease: Prometheus discovers all ranks, not only the registering rank 0."""
+    """Every rank's metrics endpoint, ``<replica>/<rank>`` -> ``{"addr": "host:port",
+    "node_id": its machine}``, on the replica lease: Prometheus discovers all ranks, not only
+    the registering rank 0, each with its ``host``."""
     return f"{job(job_id)}/metrics/"
 
 

@@ -266,20 +266,24 @@ def prometheus_targets(job: str, nodes: dict[str, bytes], agents: dict[str, byte
     """Pure: Prometheus file-discovery groups for the nodes' and their agents' endpoints.
 
     Labelled like the controller's discovery of an FT-HSDP job (``job``, ``component``,
-    ``instance_id``), so the same scrape config (``honor_labels: true``) serves both."""
+    ``instance_id``, and ``host``: the machine its agent records, ``--node-id``), so the same
+    scrape config (``honor_labels: true``) serves both."""
+    machines = {key: json.loads(value).get("node_id") for key, value in agents.items()}
     groups = []
+
+    def add(addr: str | None, component: str, instance_id: str, machine: str | None) -> None:
+        if addr:
+            groups.append({"targets": [addr], "labels": {
+                "job": job, "component": component, "instance_id": instance_id,
+                **({"host": machine} if machine else {})}})
+
     for key, value in sorted(nodes.items()):
-        record = json.loads(value)
-        addr = record.get("metrics") or record.get("url", "").removeprefix("http://")
-        if addr:
-            groups.append({"targets": [addr], "labels": {
-                "job": job, "component": record.get("role", "halos"),
-                "instance_id": keys.last_segment(key)}})
+        record, name = json.loads(value), keys.last_segment(key)
+        add(record.get("metrics") or record.get("url", "").removeprefix("http://"),
+            record.get("role", "halos"), name, machines.get(keys.agent(job, name, 0)))
     for key, value in sorted(agents.items()):
-        addr = json.loads(value).get("metrics_addr")
-        if addr:
-            groups.append({"targets": [addr], "labels": {
-                "job": job, "component": "agent", "instance_id": key[len(keys.agents(job)):]}})
+        add(json.loads(value).get("metrics_addr"), "agent", key[len(keys.agents(job)):],
+            machines[key])
     return groups
 
 

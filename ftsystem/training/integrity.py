@@ -127,7 +127,7 @@ class Integrity:
         log.error("replica %s diverged at step %d (epoch %d, found by %s): its state differs "
                   "from %s's", self.ctx.replica_id, self.state.step, epoch, found_by,
                   ", ".join(differs_from) or "the others")
-        metrics.DIVERGENCE.labels(*self._labels, found_by).inc()
+        metrics.DIVERGENCES.labels(*self._labels, found_by).inc()
         try:
             self.control.put_json(keys.divergence(self.ctx.job, self.state.step,
                                                   self.ctx.replica_id), event)

@@ -16,6 +16,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,6 +41,8 @@ ENV_LEASE = "FTSYSTEM_LEASE_ID"
 ENV_LEASE_FILE = "FTSYSTEM_LEASE_FILE"
 ENV_HEARTBEAT = "FTSYSTEM_HEARTBEAT"
 ENV_HOST = "FTSYSTEM_HOST"
+ENV_NODE_ID = "FTSYSTEM_NODE_ID"
+"""The machine the rank runs on (its agent's ``--node-id``): the ``host`` label of its metrics."""
 ENV_TIMEOUT = "FTSYSTEM_TIMEOUT_S"
 ENV_KILL_AT = "FTSYSTEM_KILL_AT"
 ENV_CHECKPOINT_DIR = "FTSYSTEM_CHECKPOINT_DIR"
@@ -76,6 +79,8 @@ class ReplicaContext:
     """Where the agent writes the replica lease when an etcd outage outlived the first one."""
     heartbeat_path: str
     host: str
+    node_id: str = ""
+    """The machine (``FTSYSTEM_NODE_ID``; outside an agent, the hostname)."""
     rank: int
     """This process's rank among its replica's ranks (``RANK``; node rank × ranks per node +
     ``LOCAL_RANK``): the shard it holds and all-reduces with rank ``rank`` of the others."""
@@ -101,6 +106,7 @@ class ReplicaContext:
                    lease_file=env.get(ENV_LEASE_FILE, ""),
                    heartbeat_path=env.get(ENV_HEARTBEAT, ""),
                    host=env.get(ENV_HOST, "127.0.0.1"),
+                   node_id=env.get(ENV_NODE_ID) or socket.gethostname(),
                    rank=int(env.get("RANK", "0")),
                    world_size=int(env.get("WORLD_SIZE", "1")),
                    timeout_s=float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)),
@@ -213,7 +219,8 @@ class ControlPlane:
         self._lease_used = ctx.lease_id
         self._write_lock: asyncio.Lock | None = None  # created on the background loop
         self._bg.run(self._store.connect())
-        metrics.init_replica(ctx.job, ctx.replica_id)
+        metrics.init_replica(ctx.job, ctx.replica_id,
+                             speaks_for_replica=self.speaks_for_replica)
         # The first read of the epoch happens before the constructor returns: callers decide
         # on it (catch up, or join a starting job).
         items, revision = self._bg.run(self._store.get_prefix(keys.epoch(ctx.job)))
@@ -248,7 +255,8 @@ class ControlPlane:
 
     @property
     def speaks_for_replica(self) -> bool:
-        """Rank 0 alone publishes the replica's registration; the other ranks only follow."""
+        """Rank 0 alone publishes the replica's registration and exports its replica-level
+        metrics; the other ranks only follow."""
         return self.ctx.rank == 0
 
     def register(self, *, wait: bool = True, **changes: Any) -> None:
@@ -288,7 +296,8 @@ class ControlPlane:
     async def _put_metrics_addr(self, addr: str) -> None:
         key = keys.metrics_endpoint(self.ctx.job, self.ctx.replica_id, self.ctx.rank)
         try:
-            await self._store.put_json(key, {"addr": addr}, lease=self._lease() or None)
+            await self._store.put_json(key, {"addr": addr, "node_id": self.ctx.node_id},
+                                       lease=self._lease() or None)
         except StoreError as e:  # discovery only: not worth failing the replica for
             logging.getLogger(__name__).warning("metrics endpoint not published: %s", e)
 
