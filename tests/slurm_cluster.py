@@ -224,9 +224,10 @@ class SlurmCluster:
         self.wait_idle(timeout)
 
     def wait_idle(self, timeout: float = START_S) -> None:
-        self._wait(lambda: all(s == "idle" for s in self.node_states().values())
-                   and len(self.node_states()) == self.num_nodes,
-                   f"nodes {', '.join(self.nodes)} idle", timeout)
+        def idle() -> bool:
+            states = self.node_states()
+            return len(states) == self.num_nodes and set(states.values()) == {"idle"}
+        self._wait(idle, f"nodes {', '.join(self.nodes)} idle", timeout)
 
     def node_states(self) -> dict[str, str]:
         out = self.run("sinfo", "--noheader", "--Node", "--format=%N %t", check=False).stdout

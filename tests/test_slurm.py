@@ -33,7 +33,7 @@ SBATCH = REPO / "docker" / "slurm" / "ftsystem.sbatch"
 TIMEOUT_S = 12
 """The job's one timeout (ftsystem.sbatch's TIMEOUT): a dead node is noticed within a third."""
 JOB_S = 180.0
-"""Generous bound on one job: CI's two cores run four nodes' daemons, agents and ranks."""
+"""Generous bound on one job: CI's two cores run six nodes' daemons, agents and ranks."""
 ETCD_PORT, CONTROLLER_PORT = 2379, 8080
 """ftsystem.sbatch's defaults: each batch node is a host of its own."""
 
