@@ -5,8 +5,9 @@ training ``ftsystem.example.train`` on every node.
 What a user of the script relies on: replicas of one and of two nodes (FSDP2 across the nodes)
 train to one state; a dead compute node costs its replica only, and a spare takes its place; a
 replica lost for good makes the job fail; a dead batch node cancels the job; a stop (scancel,
-the time limit) stops the agents, then the controller, then etcd; etcd and the controller
-listen on the batch node's address only; nothing is left in the nodes' temp directories.
+the time limit) stops the agents (a waiting spare too), then the controller, then etcd; etcd and
+the controller listen on the batch node's address only; nothing is left in the nodes' temp
+directory but what a killed node could not remove.
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ class Job:
         return f"http://{self.cluster.host(self.batch_node()).address}:{CONTROLLER_PORT}"
 
     def view(self) -> dict | None:
-        """The controller's view of the job (GET /v1/jobs/<job>), None while it does not
-        answer."""
+        """The controller's view of the job (GET /v1/jobs/<job>, with the token the script
+        made), None while it does not answer."""
+        token = self.out / "api-token"
+        if not token.exists():
+            return None
         try:
-            reply = httpx.get(f"{self.api()}/v1/jobs/{self.name}", timeout=2)
+            reply = httpx.get(f"{self.api()}/v1/jobs/{self.name}", timeout=2,
+                              headers={"Authorization": f"Bearer {token.read_text().strip()}"})
         except httpx.HTTPError:
             return None
         return reply.json() if reply.status_code == 200 else None
@@ -92,9 +97,10 @@ class Job:
             raise AssertionError(f"{e}\n{self.output()}") from e
 
     def left_in_tmp(self) -> list[str]:
-        """What the job left in the nodes' TMPDIR, but torch's compile cache (kept across runs
-        on purpose)."""
-        return sorted(p.name for p in self.tmp.iterdir()
+        """What the job left in the nodes' TMPDIR, each name without its random part
+        (``ftsystem-agent-r1``, ``ftsystem-etcd-<job id>``), but torch's compile cache (kept
+        across runs on purpose)."""
+        return sorted(re.sub(r"[-.][^-.]+$", "", p.name) for p in self.tmp.iterdir()
                       if not p.name.startswith("torchinductor_"))
 
     def stop_records(self) -> list[tuple[str, str]]:
@@ -166,7 +172,10 @@ def test_replicas_of_two_nodes_train_to_one_state_a_spare_taking_a_dead_nodes_pl
     results = assert_same_state(job, ["r0", "r1"], 30, shards=2)
     assert results["r1"]["generation"] >= 1, results["r1"]
     assert re.search(r"^5: .*spare takes node rank 1$", job.output(), re.M), job.output()
+    assert f"job {job.name}: every replica finished" in job.output()  # read through the API
     assert [what for what, _ in job.stop_records()] == ["the agents", "the controller", "etcd"]
+    # Only what the dead host's agent could not remove (a host's own disk, in a real cluster).
+    assert job.left_in_tmp() == ["ftsystem-agent-r1"]
 
 
 def test_a_replica_lost_for_good_fails_the_job(slurm_cluster, tmp_path):
@@ -181,6 +190,7 @@ def test_a_replica_lost_for_good_fails_the_job(slurm_cluster, tmp_path):
     assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "4:0"), job.output()
     assert "not every replica finished: replica r2 did not finish" in job.output()
     assert_same_state(job, ["r0", "r1"], 30, shards=1)
+    assert job.left_in_tmp() == ["ftsystem-agent-r2"]  # the dead host's
 
 
 def test_a_dead_batch_node_cancels_the_job(slurm_cluster, tmp_path):
@@ -200,16 +210,25 @@ def test_a_dead_batch_node_cancels_the_job(slurm_cluster, tmp_path):
     survivor = slurm_cluster.host("n2").name
     wait_for(lambda: namespace_pids(survivor) == [slurm_cluster.daemons["n2"].pid],
              KILL_WAIT_S + 30, "the job's processes on n2 to end")
+    # r1's agent on n2 removed its work directory; the dead batch node's etcd data and r0's
+    # agent directory stay, as they would on its own disk.
+    assert job.left_in_tmp() == ["ftsystem-agent-r0", f"ftsystem-etcd-{job.id}"]
 
 
 def test_scancel_stops_the_agents_then_the_controller_then_etcd(slurm_cluster, tmp_path):
-    job = submit(slurm_cluster, tmp_path, nodes=2, steps=1000,
+    """1 replica x (1 node + 1 spare): the spare, waiting for a node rank, stops as promptly
+    as the training agent (Slurm would SIGKILL it after KillWait, and srun report 137)."""
+    job = submit(slurm_cluster, tmp_path, nodes=2, spares=1, steps=1000,
                  train=("--sleep-per-step", "0.1"))
-    job.wait_training(["r0", "r1"])
+    job.wait_training(["r0"])
+    wait_for(lambda: re.search(r"^1: .*waiting for a node rank to fall free", job.output(),
+                               re.M), JOB_S, "the spare to wait")
     slurm_cluster.run("scancel", "--batch", "--signal=TERM", str(job.id))
 
     ended = job.wait()
     assert_stopped_in_order(job, ended)
+    assert re.search(r"^1: .*told to stop before holding a node rank", job.output(), re.M), \
+        job.output()
 
 
 def test_the_time_limit_stops_the_agents_then_the_controller_then_etcd(slurm_cluster,
