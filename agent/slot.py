@@ -69,6 +69,8 @@ class NodeSlot:
         lease = await self.store.grant(self.ttl_s)
         await self.store.put_json(spare_key, self.record, lease=lease)
         keep_alive = asyncio.create_task(self.store.keep_alive(lease, self.ttl_s, self.renew_s))
+        log.info("spare of replica %s: waiting for a node rank to fall free",
+                 self.rendezvous.replica_id)
         try:
             # A spare stands in for a node that was there and is gone, never for one that is
             # still starting: it waits for the replica's first generation.

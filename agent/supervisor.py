@@ -237,13 +237,20 @@ class Agent:
                 "uid": self.uid, "node_id": self.cfg.node_id, "host": self.cfg.host,
                 "pid": os.getpid(), "pulse_addr": pulse_addr, "metrics_addr": self.metrics_addr})
             if self.cfg.node_rank is None:
-                await self.slot.claim_free()
+                # A spare may wait for a rank as long as the job lasts: a stop ends the wait.
+                await self._unless_stopped(self.slot.claim_free())
             else:
                 await self.slot.claim(self.cfg.node_rank)
         except (RendezvousError, SpecConflict) as e:
             log.error("%s", e)
             await self.store.close()
             return EXIT_BAD_INPUT
+        if self.stop_requested.is_set():
+            log.info("told to stop before holding a node rank: exiting")
+            await self._until_etcd_back("giving up the node rank", self.slot.release)
+            self.pulse.close()
+            await self.store.close()
+            return self.stop_exit_code
         chaos = replica_executor(self.store, self.cfg.job, self.cfg.replica_id,
                                  self._running_pids, mine=lambda: self.slot.node_rank == 0)
         hold = asyncio.create_task(self.slot.hold())

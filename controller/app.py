@@ -110,6 +110,19 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
         _check_job(cfg.job, job)
         return await job_view(store, job)
 
+    @api.get("/v1/jobs/{job}/outcome", response_model=models.JobOutcome,
+             responses=_errors(400, 404))
+    async def get_outcome(job: str) -> dict:
+        """Whether every replica finished, from their last generations and halt records
+        (``ftsystem job outcome``, at the end of docker/slurm/ftsystem.sbatch); 404 until the
+        job is created."""
+        _check_job(cfg.job, job)
+        try:
+            unfinished = await jobs.job_outcome(store, job)
+        except jobs.JobNotFoundError as e:
+            raise HTTPException(404, str(e)) from e
+        return {"job": job, "finished": not unfinished, "unfinished": unfinished}
+
     @api.post("/v1/jobs/{job}", status_code=201, response_model=models.CreatedJob,
               responses={**_errors(400, 404, 409), 200: {
                   "model": models.CreatedJob, "description": "exist_ok: it exists, so"}})
@@ -241,7 +254,7 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The error answers a route declares besides 401 and 503 (``{"detail": "..."}``)."""
-    what = {400: "an invalid id or spec", 404: "another job, or no such replica",
+    what = {400: "an invalid id or spec", 404: "another job, no such replica, or no job created",
             409: "refused for the job's state", 429: "over the chaos rate limit"}
     return {status: {"model": models.ErrorDetail, "description": what[status]}
             for status in statuses}

@@ -102,6 +102,17 @@ class JobView(_Response):
     replicas: list[Replica]
 
 
+class JobOutcome(_Response):
+    """Whether the job's replicas finished: what a batch job's exit status says once its
+    agents are gone (a replica still training reads as not finished)."""
+
+    job: str
+    finished: bool = Field(description="every replica of the spec finished")
+    unfinished: list[str] = Field(description="why replicas did not finish, one line each "
+                                  "(a halt, a generation ended with none after it, one that "
+                                  "never ended, replicas that never started)")
+
+
 class JobEntry(_Response):
     job: str
     spec: JobSpec | None

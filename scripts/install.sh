@@ -7,7 +7,9 @@
 #   bash scripts/install.sh --test   also what the tests need: Prometheus (promtool), Chromium
 #                                    (the status page's browser test), Podman with runc,
 #                                    catatonit and mmdebstrap (the images built and the compose
-#                                    job run, tests/test_containers.py), the [test] extra
+#                                    job run, tests/test_containers.py), Slurm and munge (a
+#                                    cluster of network namespaces that runs
+#                                    docker/slurm/ftsystem.sbatch, tests/test_slurm.py), the [test] extra
 #                                    (pytest, schemathesis, podman-compose, the simulators'
 #                                    matplotlib and simpy)
 set -euo pipefail
@@ -28,6 +30,11 @@ if [ "$test" = 1 ]; then
   command -v runc >/dev/null || missing+=(runc)  # docker/containers.conf: crun fails on these VMs
   [ -x /usr/libexec/podman/catatonit ] || missing+=(catatonit)  # compose's `init: true`
   command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)  # the test's base image
+  # Slurm's daemons, its commands and munge: the tests run daemons of their own, with their own
+  # configuration, never the system's services
+  for pkg in slurm-wlm slurmctld slurmd slurm-client munge; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive

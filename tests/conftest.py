@@ -48,6 +48,28 @@ def etcd(tmp_path_factory) -> EmbeddedEtcd:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster_session():
+    """A real Slurm cluster of six nodes (``tests/slurm_cluster.py``), made once per run."""
+    from ftsystem.launch.netns import netns_supported
+    from slurm_cluster import SlurmCluster, missing_commands
+
+    if missing := missing_commands():
+        pytest.skip(f"Slurm is not installed: no {', '.join(missing)} "
+                    "(bash scripts/install.sh --test installs them)")
+    if why := netns_supported():
+        pytest.fail(f"Slurm is installed but its test cluster cannot be made: {why}")
+    with SlurmCluster(6) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def slurm_cluster(slurm_cluster_session):
+    """The session's Slurm cluster with no job and every node up and idle."""
+    slurm_cluster_session.reset()
+    return slurm_cluster_session
+
+
 @pytest.fixture
 def job_id(request) -> str:
     return f"t{next(_job_ids)}-{os.getpid()}"

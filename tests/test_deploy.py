@@ -1078,6 +1078,8 @@ def sbatch_directives() -> list[str]:
 def test_sbatch_keeps_the_allocation_when_a_node_dies():
     directives = sbatch_directives()
     assert "--no-kill" in directives
+    assert "--no-requeue" in directives  # a dead batch node ends the job (ftsystem-node.sh)
+    assert any(re.fullmatch(r"--signal=B:TERM@\d+", d) for d in directives), directives
     assert "--ntasks-per-node=1" in directives
     assert any(d.startswith("--gpus-per-node=") for d in directives), directives
     nodes = next(int(d.split("=")[1]) for d in directives if d.startswith("--nodes="))
@@ -1110,13 +1112,14 @@ def agent_argvs(env: dict[str, str]) -> list[list[str]]:
     return [["ftsystem", *json.loads(p.read_text())] for p in paths]
 
 
-def run_sbatch(env: dict[str, str], *program: str) -> subprocess.CompletedProcess:
+def run_sbatch(env: dict[str, str], *program: str, status: int = 0
+               ) -> subprocess.CompletedProcess:
     try:
         done = subprocess.run(["bash", str(SBATCH), *program], env=env, capture_output=True,
                               text=True, timeout=240)
     except subprocess.TimeoutExpired as e:  # seen once in a full run: keep what it said
         pytest.fail(f"the batch script did not finish within 240 s; its stderr:\n{e.stderr}")
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == status, done.stderr
     return done
 
 
@@ -1178,11 +1181,16 @@ def test_slurm_node_script_advertises_a_non_loopback_address(tmp_path):
 @pytest.mark.slow
 def test_sbatch_serves_etcd_and_the_controller_on_the_batch_node(tmp_path):
     """Without ETCD_ENDPOINTS the script starts etcd and a controller, waits for both to answer,
-    and stops them when the agents are done."""
+    and stops them when the agents are done. The fake agents train nothing: the job's outcome,
+    read through the controller, makes the script fail."""
     ports = {name: str(free_port()) for name in ("ETCD_PORT", "ETCD_PEER_PORT", "CONTROLLER_PORT")}
     env = fake_slurm(tmp_path, ADVERTISE_ADDRESS="127.0.0.1", **ports)
     env["ETCD"] = etcd_binary()
-    done = run_sbatch(env)
+    done = run_sbatch(env, status=4)
+    assert "not every replica finished: 2 of the job's 2 replicas never started" in done.stderr
+    stopped = re.findall(r"ftsystem\.sbatch: [\d:.]+ (.+) exited", done.stderr)
+    assert stopped == ["the agents", "the controller", "etcd"], done.stderr
+    assert not list(tmp_path.glob("ftsystem-etcd-*"))  # its data directory is removed
     assert f"API http://127.0.0.1:{ports['CONTROLLER_PORT']}/v1/jobs/slurm-4242" in done.stderr
     for argv in agent_argvs(env):
         assert option(argv, "--etcd") == f"http://127.0.0.1:{ports['ETCD_PORT']}"

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from conftest import API_TOKEN, controller_process, wait_for
 from ftsystem.cli import app
 from ftsystem.control import keys
-from ftsystem.control.jobs import JobSpecError, parse_spec
+from ftsystem.control.jobs import JobSpecError, parse_spec, unfinished_replicas
 from ftsystem.control.membership import Registration, ReplicaState
 from ftsystem.control.store import Store
 from ftsystem.measure.ettr import LiveEttr
@@ -48,6 +48,28 @@ def test_a_spec_takes_defaults_and_round_trips():
     assert (spec.min_replicas, spec.nodes_per_replica, spec.timeout_s) == (1, 1, 30.0)
     assert parse_spec(spec.to_json()) == spec
     assert (spec.policy.initial_replicas, spec.policy.min_replicas) == (4, 1)
+
+
+FINISHED = {"number": 1, "ended": "", "finished": True}
+
+
+@pytest.mark.parametrize("spec, generations, halted, reasons", [
+    ({"replicas": 2}, {"r0": FINISHED, "r1": FINISHED}, {}, []),
+    ({"replicas": 2}, {"r0": FINISHED, "r1": {"number": 0, "ended": "", "finished": False}},
+     {}, ["replica r1 did not finish: its generation 0 never ended (its agents died with "
+          "their nodes, or still run)"]),
+    ({"replicas": 2}, {"r0": FINISHED, "r1": {"number": 2, "ended": "node rank 1 silent"}},
+     {}, ["replica r1 did not finish: its generation 2 ended (node rank 1 silent) and none "
+          "followed (a node lost for good, no spare to take its place, or stopped)"]),
+    ({"replicas": 2}, {"r0": FINISHED, "r1": {"number": 0, "ended": "exited with code 1"}},
+     {"r1": {"step": 7, "reason": "diverged"}}, ["replica r1 halted at step 7: diverged"]),
+    ({"replicas": 3}, {"r0": FINISHED}, {}, ["2 of the job's 3 replicas never started"]),
+    ({"replicas": 2, "replica_ids": ["a", "b", "c"]}, {"b": FINISHED}, {},
+     ["1 of the job's 2 replicas never started (of a, c)"]),
+])
+def test_the_outcome_names_each_replica_that_did_not_finish(spec, generations, halted,
+                                                            reasons):
+    assert unfinished_replicas(parse_spec(spec), generations, halted) == reasons
 
 
 def test_live_work_ettr_is_measured_against_the_capacity():
@@ -192,6 +214,17 @@ def _cli_lifecycle(etcd_url: str, job_id: str, base: str, tmp_path: Path) -> Non
 
     got = _cli("get", job_id, base=base)
     assert got.exit_code == 0 and json.loads(got.output)["spec"] == stored
+    unstarted = _cli("outcome", job_id, base=base)
+    assert unstarted.exit_code == 1, unstarted.output
+    assert "2 of the job's 2 replicas never started (of r0, r1)" in unstarted.output
+
+    async def finish(replica: str) -> None:
+        async with Store(etcd_url) as store:
+            await store.put_json(keys.generation(job_id, replica), FINISHED)
+    for replica in ("r0", "r1"):
+        asyncio.run(finish(replica))
+    done = _cli("outcome", job_id, base=base)
+    assert done.exit_code == 0 and "every replica finished" in done.output, done.output
     listed = _cli("list", base=base)
     assert listed.exit_code == 0
     assert any(line.split("\t")[:3] == [job_id, "2", "1"] for line in listed.output.splitlines())
@@ -211,6 +244,8 @@ def _cli_lifecycle(etcd_url: str, job_id: str, base: str, tmp_path: Path) -> Non
                                                 if k.startswith(keys.controllers(job_id)))}
     gone = _cli("get", job_id, base=base)
     assert gone.exit_code == 1 and "ftsystem job create" in gone.output
+    no_outcome = _cli("outcome", job_id, base=base)
+    assert no_outcome.exit_code == 1 and "nothing to report" in no_outcome.output
 
     # What an earlier run left without a spec (an epoch) keeps a new job from starting on it.
     async def stale_epoch() -> None:

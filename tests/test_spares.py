@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,41 @@ def test_a_replica_that_lost_a_node_with_no_spare_ends_with_the_job(etcd, job_id
     generation = _get(etcd.url, keys.generation(job_id, "r0"))
     assert result["step"] == 20 and generation["finished"]
     assert result["generation"] == generation["number"]
+
+
+def test_a_spare_waiting_for_a_node_rank_exits_on_sigterm(etcd, job_id, tmp_path):
+    """A spare waits for a node rank as long as the replica runs; SIGTERM (scancel, a deleted
+    pod) ends the wait as it stops a training agent: exit 143 within the agent's stop bound,
+    its spare record revoked rather than left to expire. The replica's agent trains on."""
+    from agent.supervisor import EXIT_SIGNALLED_BASE, AgentConfig
+    bound_s = AgentConfig(etcd="", job=job_id, replica_id="r0", command=[]).stop_bound_s
+    _put_spec(etcd.url, job_id, {"replicas": 1})
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    node = _agent(etcd.url, job_id, "r0", "--node-id", "a", log=tmp_path / "node.log",
+                  program=sleeper)
+    spare = _agent(etcd.url, job_id, "r0", "--spare", "--node-id", "b",
+                   log=tmp_path / "spare.log", program=sleeper)
+    spares = f"{keys.replica_agents(job_id, 'r0')}spare-"
+    try:
+        # The replica runs on node a, which holds the only node rank: the spare waits.
+        wait_for(lambda: (g := _get(etcd.url, keys.generation(job_id, "r0"))) and
+                 not g["ended"], WAIT_S, "the replica's first generation")
+        wait_for(lambda: _prefix(etcd.url, spares), WAIT_S, "the spare's record")
+        spare.send_signal(signal.SIGTERM)
+        margin_s = 10.0  # the interpreter's exit, and a loaded machine
+        try:
+            code = spare.wait(bound_s + margin_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the spare did not exit within {bound_s + margin_s:.0f} s of "
+                                 f"SIGTERM:\n{(tmp_path / 'spare.log').read_text()[-3000:]}"
+                                 ) from None
+        assert code == EXIT_SIGNALLED_BASE + signal.SIGTERM == 143, \
+            (tmp_path / "spare.log").read_text()[-3000:]
+        assert _prefix(etcd.url, spares) == {}
+        assert node.poll() is None, (tmp_path / "node.log").read_text()[-3000:]
+        assert _get(etcd.url, keys.agent(job_id, "r0", 0))["node_id"] == "a"
+    finally:
+        _stop([node, spare])
 
 
 def test_a_task_that_drops_its_cancellation_is_cancelled_again():

@@ -8,6 +8,8 @@ starts no epoch before it (``controller/leader.py``). The REST API (``POST/GET/D
   id may leak into a new job, so it must be deleted first.
 - Deleting removes every key under the job's prefix in one etcd delete. A job with live agents
   or registrations is refused unless forced: its agents would find their records gone.
+- Its outcome, once its agents are gone, is whether every replica finished, read from the
+  replicas' generations (``unfinished_replicas``): a batch job's exit status says so.
 """
 
 from __future__ import annotations
@@ -261,6 +263,45 @@ async def delete_job(store: Store, job: str, *, force: bool = False) -> None:
     if not await store.keys_with_prefix(keys.job(job) + "/"):
         raise JobNotFoundError(f"no job {job!r}: nothing is stored under its id")
     await store.delete_prefix(keys.job(job) + "/")
+
+
+async def job_outcome(store: Store, job: str) -> list[str]:
+    """Why replicas of the job did not finish, one line each; empty when every one did."""
+    spec = await store.get_json(keys.spec(job))
+    if spec is None:
+        raise JobNotFoundError(f"no job {job!r}: nothing to report (was it deleted?)")
+    generations, _ = await store.get_prefix(keys.generations(job))
+    halts, _ = await store.get_prefix(keys.halts(job))
+    return unfinished_replicas(
+        parse_spec(spec), {keys.last_segment(k): json.loads(v) for k, v in generations.items()},
+        {keys.last_segment(k): json.loads(v) for k, v in halts.items()})
+
+
+def unfinished_replicas(spec: JobSpec, generations: Mapping[str, Mapping[str, Any]],
+                        halted: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Pure: why replicas did not finish, one line each (empty: all of the spec's replicas
+    did). ``generations``: each replica's last generation (``keys.generation``: its number,
+    ``ended`` and ``finished``); ``halted``: the halt records by replica."""
+    reasons = []
+    for rid, gen in sorted(generations.items()):
+        number = gen.get("number")
+        if gen.get("finished"):
+            continue
+        if rid in halted:
+            reasons.append(f"replica {rid} halted at step {halted[rid].get('step')}: "
+                           f"{halted[rid].get('reason')}")
+        elif gen.get("ended"):
+            reasons.append(f"replica {rid} did not finish: its generation {number} ended "
+                           f"({gen['ended']}) and none followed (a node lost for good, no "
+                           "spare to take its place, or stopped)")
+        else:
+            reasons.append(f"replica {rid} did not finish: its generation {number} never "
+                           "ended (its agents died with their nodes, or still run)")
+    if (missing := spec.replicas - len(generations)) > 0:
+        never = [rid for rid in spec.replica_ids or () if rid not in generations]
+        reasons.append(f"{missing} of the job's {spec.replicas} replicas never started"
+                       + (f" (of {', '.join(never)})" if never else ""))
+    return reasons
 
 
 async def _running(store: Store, job: str) -> int:

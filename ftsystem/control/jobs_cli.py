@@ -1,4 +1,4 @@
-"""``ftsystem job create|get|list|delete``: a job's lifecycle, through the controller's API.
+"""``ftsystem job create|get|outcome|list|delete``: a job's lifecycle, through the controller's API.
 
 Each command is one request to a controller of the job (``--controller``, or
 ``FTSYSTEM_CONTROLLER``) with the job's token (``FTSYSTEM_API_TOKEN``, or the file
@@ -150,6 +150,19 @@ def get(job: str = typer.Argument(..., help="job id"), controller: str = CONTROL
         raise _refused(f"no job {job!r}: create it with `ftsystem job create {job} --replicas "
                        "N`")
     typer.echo(json.dumps(view, indent=2))
+
+
+@job_app.command("outcome")
+def outcome(job: str = typer.Argument(..., help="job id"), controller: str = CONTROLLER,
+            token_file: Optional[Path] = TOKEN_FILE, etcd: Optional[str] = ETCD) -> None:
+    """Whether every replica finished: exit 0, or 1 with a line per replica that did not.
+    Read once the agents are gone (the end of docker/slurm/ftsystem.sbatch)."""
+    _check_id("job", job)
+    _no_etcd(etcd)
+    read = request(controller, token_file, lambda api: api.get(f"/v1/jobs/{job}/outcome"))
+    if read["unfinished"]:
+        raise _refused("; ".join(read["unfinished"]))
+    typer.echo(f"job {job}: every replica finished")
 
 
 @job_app.command("list")
