@@ -38,7 +38,7 @@ STUDIES_FULL = Preset(model="tiny", iters=64, eval_points=16, eval_sequences=128
 SEEDS = "0,1,2"
 # bench halos --quick: every stage of the tuned regime on the tiny model, a smoke run.
 REGIME_QUICK = {"model": "tiny", "iters": 32, "eval_points": 16, "eval_sequences": 64,
-                "noise_every": 4, "step_probe": 8}
+                "noise_every": 4, "step_probe": 8, "outer_scales": (1.0, 2.0)}
 
 SETUP_OPT = typer.Option(DEFAULT_SETUP, "--setup", help="The paper's setup YAML.")
 TRACE_OPT = typer.Option(DEFAULT_TRACE, "--trace", help="Step-time/size trace of Pythia models.")
