@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ftsystem.chaos.faults import FaultPoint, FaultSchedule
 from ftsystem.control import keys
@@ -63,12 +64,13 @@ from ftsystem.training.joiner import Joiner
 from ftsystem.training.local_state import LocalState
 from ftsystem.training.parameters import ParameterSet
 from ftsystem.training.phase import Lifecycle, Phase
-from ftsystem.training.replica_group import ReplicaGroup
+from ftsystem.training.replica_group import ReplicaGroup, check_mesh
 from ftsystem.training.replicated import AdvancedBy, Batches, ReplicatedObjects, Stateful
 from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
 from ftsystem.training.settings import ENV_LOG_BUDGET, ENV_LOG_PLACE, ReplicaSettings
 from ftsystem.training.devices import free_memory
 from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
+from ftsystem.training.shards import align_grads
 from ftsystem.training.state_access import replica_access
 from ftsystem.training.update_log import UpdateLog, log_on_host
 
@@ -85,7 +87,8 @@ class FTReplica:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  step_fn: Callable[[], None] | None = None,
                  ctx: ReplicaContext | None = None, overlap: bool | None = None,
-                 warm_up: bool | None = None, settings: ReplicaSettings | None = None) -> None:
+                 warm_up: bool | None = None, settings: ReplicaSettings | None = None,
+                 mesh: DeviceMesh | None = None) -> None:
         """``step_fn``: what :meth:`commit` runs once the parameters' ``.grad`` hold the
         gradients averaged over the members (default: ``optimizer.step()``). Put everything
         the step does after averaging there: clipping, unscaling, the optimizer, the
@@ -111,12 +114,24 @@ class FTReplica:
         3.4 GB/s without) and delays the join by a step, while the cold step's own extra cost
         is small (``bench rejoin``'s ``ftsystem`` against ``cold-join``).
 
-        ``settings``: default ``ReplicaSettings.from_env()``."""
+        ``settings``: default ``ReplicaSettings.from_env()``.
+
+        ``mesh``: the replica's device mesh when it combines parallelisms inside (FSDP2 beside
+        tensor or pipeline parallelism): all of its ranks, in rank order, laid out alike in
+        every replica. The replicas are the data-parallel dimension across meshes: rank k
+        of every replica sums its part of the gradients with rank k of the others, so each
+        part (a shard of the ``dp_shard`` dimension, a slice of the ``tp`` one, a pipeline
+        stage) is averaged over the replicas on its own. It is checked at construction; a
+        mesh that spans replicas, or lists the ranks in another order, is refused. Without
+        it, the replica's ranks are its process group's (``WORLD_SIZE``)."""
         # First what can be refused without side effects: a bad setting or model loses nothing.
         self.settings = settings or ReplicaSettings.from_env()
         self.trainable = ParameterSet(model, optimizer)
         params = self._params = self.trainable.params
         self.ctx = ctx or ReplicaContext.from_env()
+        if mesh is not None:
+            check_mesh(mesh, self.ctx.world_size)
+        self.mesh = mesh
         self.replica = ReplicaGroup(self.ctx.world_size)
         self.model, self.optimizer = model, optimizer
         self.lifecycle = Lifecycle(self.ctx.replica_id)
@@ -416,6 +431,7 @@ class FTReplica:
                                "(or use `with FTReplica(...)`), and no commit after finish()")
         self.trainable.check_unchanged()
         self.faults.check(self.step, "step")
+        align_grads(self._params)  # tensor parallelism leaves partial sums: see align_grads
         buf = self.gradients.sum(self.step, self._enter_for_sum,
                                  join_step=lambda: self.lifecycle.is_(Phase.JOIN_STEP))
         if buf is None:

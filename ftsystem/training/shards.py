@@ -28,6 +28,23 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def align_grads(params: list[nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements, in place of ``.grad``.
+
+    What crosses replicas is this rank's part of each gradient, laid out as its parameter's
+    part. FSDP2 leaves gradients that way; tensor parallelism does not always: a replicated
+    parameter applied to sequence-sharded activations (a norm under sequence parallelism) gets
+    a ``Partial`` gradient, each rank holding a different addend, and a row-wise sharded
+    embedding a replicated one. The partial sums are reduced over the mesh here (a collective
+    inside the replica: every rank calls this at the same point of the step, parameters in one
+    order), as the optimizer would have done implicitly.
+    """
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def _to_local(tree):
     return map_tensors(tree, lambda t: local(t).detach())
 
