@@ -21,7 +21,8 @@ The average is over the members that took part: when a replica is missing, its d
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
 
 A replica may have several ranks (``--nodes N --nproc-per-node M``): the model is sharded in the
-replica with FSDP2, rank k all-reduces shard k with rank k of the other replicas, and the
+replica with FSDP2, or split with tensor parallelism over a mesh of its ranks (``mesh=``), rank
+k all-reduces its part with rank k of the other replicas, and the
 replica's ranks vote before anything changes their state (``replica_group``), so the replica
 commits all its shards of a step or none. Only rank 0 registers with the controller.
 
