@@ -7,9 +7,10 @@ replica: the ranks holding one shard index form their own cross-replica group. S
 work on the local tensors alone; a replica of one rank is the case where "local" is the whole
 tensor, and the same code serves both.
 
-State is read and written through ``torch.distributed.checkpoint.state_dict``: its sharded
-state dict keys optimizer state by parameter name (stable across processes). An optimizer that has
-not stepped yet (a joiner's) adopts the received state's tensors as its own.
+The model's tensors are read as its modules hold them (:func:`model_tensors`); the optimizer's
+through ``torch.distributed.checkpoint.state_dict``, which keys its state by parameter name
+(stable across processes). An optimizer that has not stepped yet (a joiner's) adopts the
+received state's tensors as its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from ftsystem.training.wire import map_tensors
@@ -52,11 +53,28 @@ def _to_local(tree):
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's live tensors (references: copy them before the next ``optimizer.step()``
     if the values must stay, as the snapshotter does) and the optimizer's hyperparameters."""
-    return {"model": _to_local(get_model_state_dict(model)),
+    return {"model": _to_local(model_tensors(model)),
             "buffers": _to_local(non_persistent_buffers(model)),
             "optim": _optimizer_slots(model, optimizer),
             "hyper": [{k: v for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]}
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers as the modules hold them, by canonical name, each
+    tensor once. Not ``state_dict()``, whose hooks may rename and reshape what a checkpoint
+    holds (torchtitan's fused QKV projection saves its one weight as three, under names no
+    module has): the replicas exchange the live tensors themselves."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        persistent = [(name, buffer) for name, buffer in module._buffers.items()
+                      if name not in module._non_persistent_buffers_set]
+        for name, tensor in [*module._parameters.items(), *persistent]:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors[_canonical(f"{prefix}.{name}" if prefix else name)] = tensor
+    return tensors
 
 
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -98,7 +116,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     if not state["optim"]:
         optimizer.state.clear()
     with torch.no_grad():
-        for name, tensor in _to_local(get_model_state_dict(model)).items():
+        for name, tensor in _to_local(model_tensors(model)).items():
             tensor.copy_(state["model"][name])
         for name, tensor in _to_local(non_persistent_buffers(model)).items():
             tensor.copy_(state["buffers"][name])
