@@ -68,7 +68,7 @@ def test_tensor_parallel_replicas_survive_a_kill_bitwise_identical(tmp_path):
     # tensor-parallel slice from the same rank of r0 while r0 trains on, and joins.
     cfg = RunConfig(num_replicas=2, nproc_per_node=2, num_steps=60, out_dir=tmp_path / "run",
                     kills=[ReplicaKill(1, FaultPoint(8))],
-                    train_args=["--tp", "2", "--dropout", "0", "--sleep-per-step", "0.15"],
+                    train_args=["--tp", "2", "--sleep-per-step", "0.15"],
                     timeout_s=12, show_progress=False)
     summary = run_job(cfg)
     results = {p.stem: json.loads(p.read_text()) for p in (cfg.out_dir / "results").glob("*.json")}

@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="clip the averaged gradient to this norm (0: no clipping)")
     p.add_argument("--amp", choices=("scaler", "bf16", "off"), default="scaler",
                    help="a GradScaler (loss scaling), bf16 autocast, or neither")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=None,
+                   help="dropout in TinyGPT's blocks (default 0.1; TinyDecoder, under --tp, has "
+                        "none)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model and the language")
     p.add_argument("--data-shard", type=int, default=0, help="this replica's data shard")
     p.add_argument("--tp", type=int, default=1,
@@ -99,8 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linger", type=float, default=120.0,
                    help="seconds a finished replica waits to serve replicas still restarting")
     args = p.parse_args(argv)
-    if args.tp > 1 and (args.ema or args.freeze != "none"):
-        p.error("--ema and --freeze are for TinyGPT: leave them out with --tp")
+    if args.tp > 1 and (args.ema or args.freeze != "none" or args.dropout):
+        p.error("--ema, --freeze and --dropout are for TinyGPT: leave them out with --tp")
+    if args.dropout is None:
+        args.dropout = 0.0 if args.tp > 1 else 0.1
     return args
 
 
@@ -128,9 +132,6 @@ def main(argv: list[str] | None = None) -> None:
     ranks = init_replica_group()  # also makes this rank's device current
     device = local_device()
     mesh = replica_mesh(device, ranks, args.tp)
-    if mesh is not None and args.dropout:
-        logging.warning("--dropout %s has no effect with --tp: TinyDecoder has no dropout",
-                        args.dropout)
     model = (TinyGPT if mesh is None else TinyDecoder)(cfg).to(device)
     if args.freeze == "pos":
         model.pos.weight.requires_grad_(False)
