@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ftsystem.training.wire import map_tensors
@@ -53,6 +54,7 @@ def _to_local(tree):
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's live tensors (references: copy them before the next ``optimizer.step()``
     if the values must stay, as the snapshotter does) and the optimizer's hyperparameters."""
+    register_shards(model)
     return {"model": _to_local(model_tensors(model)),
             "buffers": _to_local(non_persistent_buffers(model)),
             "optim": _optimizer_slots(model, optimizer),
@@ -60,11 +62,25 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                       for g in optimizer.param_groups]}
 
 
+def register_shards(model: nn.Module) -> None:
+    """Make every FSDP2 module hold its sharded parameters, the ones the optimizer steps.
+
+    FSDP2 keeps the root module's parameters unsharded after a forward without backward (an
+    evaluation): the module then holds whole tensors the optimizer does not know, and DCP,
+    which finds the optimizer's parameters by ``model.named_parameters()``, cannot name them.
+    ``state_dict()`` reshards through FSDP2's pre-hook; :func:`model_tensors` reads the modules
+    without it, so the state's readers and writers reshard here (local: no collective)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters and persistent buffers as the modules hold them, by canonical name, each
     tensor once. Not ``state_dict()``, whose hooks may rename and reshape what a checkpoint
     holds (torchtitan's fused QKV projection saves its one weight as three, under names no
-    module has): the replicas exchange the live tensors themselves."""
+    module has): the replicas exchange the live tensors themselves. FSDP2's modules must hold
+    their shards (:func:`register_shards`)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for prefix, module in model.named_modules():
@@ -112,6 +128,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     which holds between replicas of one job. A tensor received into its destination
     (``wire.decode_state``) is not copied again: ``copy_`` from itself does nothing.
     """
+    register_shards(model)
     optimizer.zero_grad(set_to_none=True)  # also lets DCP initialize a fresh optimizer below
     if not state["optim"]:
         optimizer.state.clear()
