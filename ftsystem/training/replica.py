@@ -53,7 +53,7 @@ from ftsystem.control.membership import ReplicaState
 from ftsystem.control.timeouts import StragglerBound, Timeouts
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
-from ftsystem.training.checkpoint import Checkpointer, TrainingState
+from ftsystem.training.checkpoint import Checkpointer, TrainingState, check_checkpointable
 from ftsystem.training.commit_times import CommitTimes
 from ftsystem.training.end_of_job import needs_donor, registrations_of, replicas_to_serve
 from ftsystem.training.epoch_entry import Entered, EpochEntry, ReplicaEvictedError
@@ -132,6 +132,8 @@ class FTReplica:
         self.ctx = ctx or ReplicaContext.from_env()
         if mesh is not None:
             check_mesh(mesh, self.ctx.world_size)
+        if self.settings.checkpoint is not None:
+            check_checkpointable(model)
         self.mesh = mesh
         self.replica = ReplicaGroup(self.ctx.world_size)
         self.model, self.optimizer = model, optimizer

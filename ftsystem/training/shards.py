@@ -89,7 +89,7 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, tensor in [*module._parameters.items(), *persistent]:
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
-                tensors[_canonical(f"{prefix}.{name}" if prefix else name)] = tensor
+                tensors[canonical_name(f"{prefix}.{name}" if prefix else name)] = tensor
     return tensors
 
 
@@ -97,7 +97,7 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``state_dict()`` leaves out (``register_buffer(..., persistent=False)``:
     a rotary table, a mask, a counter). They are replicated state all the same: a forward may
     update them, and a joiner must hold what the members hold."""
-    return {_canonical(f"{prefix}.{name}" if prefix else name): buffer
+    return {canonical_name(f"{prefix}.{name}" if prefix else name): buffer
             for prefix, module in model.named_modules()
             for name in sorted(module._non_persistent_buffers_set)
             if (buffer := module._buffers.get(name)) is not None}
@@ -108,7 +108,8 @@ WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_
 names DCP gives the state drop them, and so do these."""
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """``name`` without the segments wrappers add (:data:`WRAPPER_SEGMENTS`), as DCP names it."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
@@ -179,7 +180,7 @@ def _adopt_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters by the names DCP gives them (wrapper segments dropped)."""
-    return {_canonical(name): param for name, param in model.named_parameters()}
+    return {canonical_name(name): param for name, param in model.named_parameters()}
 
 
 def _shaped_like(param: torch.Tensor, tensor):
