@@ -7,8 +7,9 @@ torchtitan that the device is the CPU before torchtitan is imported, and gives i
 memory monitor that reports nothing. The rest is what a user runs: the integration's
 ``llama3_debugmodel`` config, ``FTSystemTrainer``, ``TokenFileDataLoader``.
 
-It takes the example's arguments (``--steps``, ``--data-shard``, ``--out``, ``--linger``) and
-writes its result as ``ftsystem.example.train`` does, for ``ftsystem.launch``'s summary.
+It takes the example's arguments (``--steps``, ``--data-shard``, ``--out``, ``--linger``,
+``--sleep-per-step``) and writes its result as ``ftsystem.example.train`` does, for
+``ftsystem.launch``'s summary.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +48,19 @@ class NoDeviceMemory:
 titan_metrics.build_device_memory_monitor = NoDeviceMemory
 
 
+class PacedTrainer(FTSystemTrainer):
+    """``FTSystemTrainer`` with a pause after each step, so that the live replicas train on
+    while a killed one restarts (seconds: importing torchtitan and building the trainer)."""
+
+    def __init__(self, config: FTSystemTrainer.Config, sleep_per_step: float) -> None:
+        self.sleep_per_step = sleep_per_step
+        super().__init__(config)
+
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        time.sleep(self.sleep_per_step)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, required=True)
@@ -54,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", required=True, help="the token file (uint16 ids)")
     p.add_argument("--num-replicas", type=int, required=True)
     p.add_argument("--linger", type=float, default=60.0)
+    p.add_argument("--sleep-per-step", type=float, default=0.0)
     return p.parse_args()
 
 
@@ -68,7 +84,7 @@ def main() -> None:
     config.dataloader = TokenFileDataLoader.Config(path=args.tokens)
     config.fault_tolerance = FaultTolerance(num_replicas=args.num_replicas,
                                             data_shard=args.data_shard, linger_s=args.linger)
-    trainer: FTSystemTrainer = config.build()
+    trainer = PacedTrainer(config, args.sleep_per_step)
     try:
         trainer.train()
         write_result(trainer, args.out)
