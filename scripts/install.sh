@@ -9,7 +9,8 @@
 #                                    catatonit and mmdebstrap (the images built and the compose
 #                                    job run, tests/test_containers.py), the [test] extra
 #                                    (pytest, schemathesis, podman-compose, the simulators'
-#                                    matplotlib and simpy)
+#                                    matplotlib and simpy) and the [torchtitan] extra
+#                                    (tests/test_torchtitan.py; it leaves torch as pinned)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -38,7 +39,7 @@ fi
 # torch first, pinned: this takes the CPU wheel on disk instead of a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
 if [ "$test" = 1 ]; then
-  .venv/bin/pip install -q -e '.[test]'
+  .venv/bin/pip install -q -e '.[test,torchtitan]'
 else
   .venv/bin/pip install -q -e .
 fi
