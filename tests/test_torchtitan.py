@@ -2,8 +2,9 @@
 3 replicas on CPU under real agents, a real etcd and controller, real Gloo groups, two real
 SIGKILLs, and every replica's state bitwise identical at the end.
 
-It needs the ``torchtitan`` extra (``pip install -e '.[torchtitan]'``), which the CI's
-environment leaves out; each rank runs ``tests/torchtitan_replica.py``."""
+It needs the ``torchtitan`` extra (``pip install -e '.[torchtitan]'``; ``bash
+scripts/install.sh --test`` installs it) and is skipped without it; each rank runs
+``tests/torchtitan_replica.py``."""
 
 from __future__ import annotations
 
