@@ -8,6 +8,7 @@ scripts/install.sh --test`` installs it) and is skipped without it; each rank ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e "
                     "'.[torchtitan]' (see docs/torchtitan.md)")
+if importlib.util.find_spec("triton") is None:  # not imported here: only the replicas need it
+    pytest.skip("triton is not installed, and torchtitan's models import it: pip install -e "
+                "'.[torchtitan]' brings it (see docs/torchtitan.md)", allow_module_level=True)
 
 PROGRAM = str(Path(__file__).with_name("torchtitan_replica.py"))
 
