@@ -287,6 +287,8 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
                                            "sharded over all ranks of a replica with FSDP2"),
         nproc_per_replica: Optional[int] = typer.Option(None, min=1, hidden=True,
                                                         help="old name of --nproc-per-node"),
+        tp: int = typer.Option(1, min=1, help="tensor-parallel degree inside each replica, a "
+                               "divisor of its ranks: they form a (dp_shard, tp) mesh"),
         min_replicas: int = typer.Option(1, min=1, help="pause below this many replicas"),
         kill_at: List[str] = typer.Option(
             [], help="inject a fault: STEP:REPLICA[:PHASE], PHASE step (SIGKILL between "
@@ -330,7 +332,12 @@ def run(replicas: int = typer.Option(4, min=1, help="data-parallel replicas"),
             {"action": "kill", "schedule": {"mtbf": mtbf}, "horizon": "24h"})] if mtbf else []
     except (OSError, ChaosSpecError) as e:
         raise typer.BadParameter(str(e), param_hint="--chaos/--mtbf") from e
-    train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step)]
+    ranks = nodes_per_replica * (nproc_per_replica or nproc_per_node)
+    if ranks % tp:
+        raise typer.BadParameter(f"{tp} does not divide a replica's {ranks} ranks "
+                                 "(--nodes-per-replica x --nproc-per-node)", param_hint="--tp")
+    train_args = ["--model-params", str(model_params), "--sleep-per-step", str(sleep_per_step),
+                  *(["--tp", str(tp)] if tp > 1 else [])]
     cfg = RunConfig(chaos=specs, num_replicas=replicas, num_steps=steps, min_replicas=min_replicas,
                     nodes_per_replica=nodes_per_replica,
                     nproc_per_node=nproc_per_replica or nproc_per_node,

@@ -11,7 +11,8 @@
 #                                    cluster of network namespaces that runs
 #                                    docker/slurm/ftsystem.sbatch, tests/test_slurm.py), the [test] extra
 #                                    (pytest, schemathesis, podman-compose, the simulators'
-#                                    matplotlib and simpy)
+#                                    matplotlib and simpy) and the [torchtitan] extra
+#                                    (tests/test_torchtitan.py; it leaves torch as pinned)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -45,7 +46,7 @@ fi
 # torch first, pinned: this takes the CPU wheel on disk instead of a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
 if [ "$test" = 1 ]; then
-  .venv/bin/pip install -q -e '.[test]'
+  .venv/bin/pip install -q -e '.[test,torchtitan]'
 else
   .venv/bin/pip install -q -e .
 fi

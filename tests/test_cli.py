@@ -25,6 +25,7 @@ def plain(output: str) -> str:
     (["run", "--kill-at", "5:1:never"], "PHASE in step, allreduce, fail-allreduce"),
     (["run", "--replicas", "2", "--min-replicas", "3"], "--min-replicas"),
     (["run", "--job", "a/b"], "invalid job id"),
+    (["run", "--nproc-per-node", "2", "--tp", "3"], "3 does not divide a replica's 2 ranks"),
     (["agent", "--etcd", "http://127.0.0.1:1", "--job", "j", "--replica-id", "r 1", "--",
       "true"], "invalid replica id"),
     (["agent", "--etcd", "http://127.0.0.1:1", "--job", "j", "--replica-id", "r1",

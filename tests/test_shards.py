@@ -1,12 +1,18 @@
-"""shards: a replica's state as local tensors, moved between two models in place (one process;
-the FSDP2 case runs end to end in test_hsdp_ranks.py and test_cold_start.py)."""
+"""shards: a replica's state as local tensors, moved between two models in place (one process,
+and two Gloo ranks for FSDP2's shards; the FSDP2 case runs end to end in test_hsdp_ranks.py and
+test_cold_start.py)."""
 
 from __future__ import annotations
 
 import io
+import os
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
 
+from ftsystem.control.etcd_server import free_port
 from ftsystem.training.flat import FlatLayout, release_grads
 from ftsystem.training.shards import load_local_state, local_state
 from ftsystem.training.wire import tree_tensors
@@ -206,3 +212,69 @@ def test_non_persistent_buffers_travel_with_the_state():
     assert torch.equal(state["buffers"]["seen"], torch.full((3,), 7.0))
     load_local_state(*receiver, torch.load(_saved(state), weights_only=True))
     assert torch.equal(receiver[0].seen, torch.full((3,), 7.0))
+
+
+class _FusedPair(torch.nn.Module):
+    """One weight that state_dict() saves as two, under names no module has (as torchtitan's
+    fused QKV projection saves its one weight as wq, wk and wv)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = torch.nn.Linear(4, 8, bias=False)
+        self.register_state_dict_post_hook(self._split)
+
+    @staticmethod
+    def _split(module, state, prefix, metadata) -> None:
+        first, second = state.pop(f"{prefix}fused.weight").chunk(2)
+        state[f"{prefix}a.weight"], state[f"{prefix}b.weight"] = first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)
+
+
+def test_a_model_whose_state_dict_renames_its_tensors_moves_them_as_its_modules_hold_them():
+    replicas = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(_FusedPair(), torch.nn.Linear(8, 2))
+        replicas.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+    (donor, donor_opt), (joiner, joiner_opt) = replicas
+    donor(torch.ones(3, 4)).sum().backward()
+    donor_opt.step()
+    state = local_state(donor, donor_opt)
+    assert "0.fused.weight" in state["model"] and "0.a.weight" not in state["model"]
+    load_local_state(joiner, joiner_opt, torch.load(_saved(state), weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(donor.parameters(), joiner.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(
+        tree_tensors(donor_opt.state_dict()), tree_tensors(joiner_opt.state_dict())))
+
+
+def _fsdp2_rank(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = TinyGPT(ModelConfig())
+        for block in model.blocks.layers:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _train(model, optimizer, range(2))
+        shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():  # FSDP2 leaves the root's parameters unsharded after this
+            model.loss(LANGUAGE.batch(shard=1, step=0, batch_size=4, seq_len=32))
+        state = torch.load(_saved(local_state(model, optimizer)), weights_only=True)
+        assert all(torch.equal(state["model"][n], s) for n, s in shards.items())
+        with torch.no_grad():
+            for param in model.parameters():
+                param.to_local().zero_()
+            model.loss(LANGUAGE.batch(shard=1, step=0, batch_size=4, seq_len=32))
+        load_local_state(model, optimizer, state)
+        assert all(torch.equal(p.to_local(), shards[n]) for n, p in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fsdp2_replica_reads_and_loads_its_shards_after_a_forward_without_backward():
+    mp.spawn(_fsdp2_rank, args=(2, free_port()), nprocs=2)

@@ -12,7 +12,11 @@ hash) for the run's summary.
 
 Under ``--nproc-per-replica N`` each of the replica's N ranks runs this program: the model is
 sharded over them with FSDP2 (each transformer block, then the rest), rank k reads data shard
-``replica_shard * N + k``, and rank 0 writes the result, with every rank's shard hash.
+``replica_shard * N + k``, and rank 0 writes the result, with every rank's shard hash. With
+``--tp T`` the ranks form a ``(dp_shard, tp)`` mesh of ``(N / T, T)`` instead: tensor parallelism
+over ``tp`` (the Llama-laid-out ``TinyDecoder``, ``ftsystem.example.tensor_parallel``), FSDP2
+over ``dp_shard`` when it has several ranks; the ``T`` ranks of a ``tp`` group read one data
+shard, ``replica_shard * N / T + dp_shard rank``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -39,6 +44,7 @@ from ftsystem.training.devices import local_device
 from ftsystem.training.replica import FTReplica
 from ftsystem.training.replica_group import init_replica_group
 from ftsystem.training.replicated import Batches
+from ftsystem.example.tensor_parallel import TinyDecoder, parallelize
 from ftsystem.example.workload import MarkovBatches, MarkovLanguage, ModelConfig, TinyGPT, num_params
 
 EVAL_SHARD = -1  # a shard no replica trains on
@@ -57,9 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="clip the averaged gradient to this norm (0: no clipping)")
     p.add_argument("--amp", choices=("scaler", "bf16", "off"), default="scaler",
                    help="a GradScaler (loss scaling), bf16 autocast, or neither")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=None,
+                   help="dropout in TinyGPT's blocks (default 0.1; TinyDecoder, under --tp, has "
+                        "none)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model and the language")
     p.add_argument("--data-shard", type=int, default=0, help="this replica's data shard")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree inside the replica (a divisor of its ranks): "
+                        "its ranks form a (dp_shard, tp) mesh and the model is TinyDecoder; 1: "
+                        "FSDP2 over every rank and TinyGPT")
     p.add_argument("--model-params", type=int, default=0,
                    help="approximate parameter count (0: the small default model)")
     p.add_argument("--sleep-per-step", type=float, default=0.0,
@@ -88,7 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="directory for the result JSON")
     p.add_argument("--linger", type=float, default=120.0,
                    help="seconds a finished replica waits to serve replicas still restarting")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tp > 1 and (args.ema or args.freeze != "none" or args.dropout):
+        p.error("--ema, --freeze and --dropout are for TinyGPT: leave them out with --tp")
+    if args.dropout is None:
+        args.dropout = 0.0 if args.tp > 1 else 0.1
+    return args
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -114,14 +131,19 @@ def main(argv: list[str] | None = None) -> None:
     cfg.dropout = args.dropout
     ranks = init_replica_group()  # also makes this rank's device current
     device = local_device()
-    model = TinyGPT(cfg).to(device)
+    mesh = replica_mesh(device, ranks, args.tp)
+    model = (TinyGPT if mesh is None else TinyDecoder)(cfg).to(device)
     if args.freeze == "pos":
         model.pos.weight.requires_grad_(False)
     # Before sharding: FSDP2 modules cannot be deep-copied; the average is sharded as the
     # model is, so each rank averages its own shard.
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema)) \
         if args.ema and args.loop == "real" else None
-    if ranks > 1:
+    if mesh is not None:
+        parallelize(model, mesh["tp"])
+        if mesh["dp_shard"].size() > 1:
+            shard_model(model, mesh["dp_shard"])
+    elif ranks > 1:
         shard_model(model)
         if ema is not None:
             shard_model(ema.module)
@@ -130,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "scaler")
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     if args.loop == "plain":
-        ft = FTReplica(model, optimizer, overlap=overlap)
-        shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
+        ft = FTReplica(model, optimizer, overlap=overlap, mesh=mesh)
+        shard = data_shard(ft, args.data_shard)
         batches = (language.batch(shard=shard, step=ft.step, batch_size=args.batch_size,
                                   seq_len=cfg.seq_len) for _ in itertools.count())
     else:
-        ft, batches = real_loop(model, optimizer, scaler, ema, language, args, device, overlap)
+        ft, batches = real_loop(model, optimizer, scaler, ema, language, args, device, overlap,
+                                mesh)
     try:
         ft.start()
         loss = train(ft, model, batches, scaler, args, device)
@@ -147,19 +170,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def real_loop(model: TinyGPT, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler, ema: AveragedModel | None, language: MarkovLanguage,
-              args: argparse.Namespace, device: torch.device, overlap: bool | None
-              ) -> tuple[FTReplica, Batches]:
+              args: argparse.Namespace, device: torch.device, overlap: bool | None,
+              mesh: DeviceMesh | None) -> tuple[FTReplica, Batches]:
     """The replica of a real loop: a step function after averaging, everything registered."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup,
                                                                            args.steps))
     step_after_averaging = real_step(model, optimizer, scaler, scheduler, ema, args, device)
-    ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap)
+    ft = FTReplica(model, optimizer, step_fn=step_after_averaging, overlap=overlap, mesh=mesh)
     if not args.forget_scheduler:
         ft.register("lr_schedule", scheduler)
     ft.register("grad_scaler", scaler)
     if ema is not None:
         ft.register("ema", ema)
-    shard = args.data_shard * ft.ctx.world_size + ft.ctx.rank
+    shard = data_shard(ft, args.data_shard)
     return ft, ft.register_data("data", data_loader(language, model.cfg, args, shard))
 
 
@@ -194,11 +217,30 @@ def data_loader(language: MarkovLanguage, cfg: ModelConfig, args: argparse.Names
                               generator=torch.Generator().manual_seed(args.seed))
 
 
-def shard_model(model: TinyGPT) -> None:
-    """FSDP2 over the replica's ranks: each block is one unit, the embeddings and norm another."""
-    for block in model.blocks.layers:
-        fully_shard(block)
-    fully_shard(model)
+def replica_mesh(device: torch.device, ranks: int, tp: int) -> DeviceMesh | None:
+    """The replica's ``(dp_shard, tp)`` mesh for ``--tp``; None without tensor parallelism."""
+    if tp == 1:
+        return None
+    if tp < 1 or ranks % tp:
+        raise ValueError(f"--tp {tp} must divide the replica's {ranks} ranks")
+    return init_device_mesh(device.type, (ranks // tp, tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+def data_shard(ft: FTReplica, replica_shard: int) -> int:
+    """This rank's data shard: the ranks of a ``tp`` group compute on one batch together."""
+    if ft.mesh is None:
+        return replica_shard * ft.ctx.world_size + ft.ctx.rank
+    dp = ft.mesh["dp_shard"]
+    return replica_shard * dp.size() + dp.get_local_rank()
+
+
+def shard_model(model: TinyGPT | TinyDecoder, mesh: DeviceMesh | None = None) -> None:
+    """FSDP2 over the replica's ranks (or ``mesh``): each block is one unit, the embeddings and
+    norm another."""
+    blocks = model.layers if isinstance(model, TinyDecoder) else model.blocks.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _straggle(text: str) -> tuple[int, float]:

@@ -81,10 +81,14 @@ class RunConfig:
     """Failure injection (``--kill-at``)."""
     out_dir: Path = Path("runs/latest")
     """Where results, logs and the summary go."""
+    program: tuple[str, ...] = ("-m", "ftsystem.example.train")
+    """What every rank runs, after the Python interpreter: a module (``-m NAME``) or a script.
+    It takes the example's arguments (``--steps``, ``--data-shard``, ``--out``) and writes its
+    result in ``--out`` as ``ftsystem.example.train`` does."""
     train_args: list[str] = field(default_factory=list)
-    """Extra arguments for ``ftsystem.example.train``."""
+    """Extra arguments for the program."""
     replica_args: dict[int, list[str]] = field(default_factory=dict)
-    """More arguments for ``ftsystem.example.train`` of one replica (by index), after ``train_args``."""
+    """More arguments for the program of one replica (by index), after ``train_args``."""
     controller_ports: list[int] = field(default_factory=lambda: [0])
     """One controller instance per entry, on that REST port (0: a free one)."""
     timeout_s: float = 30.0
@@ -357,9 +361,9 @@ def _cli(*args: str) -> list[str]:
 def agent_command(cfg: RunConfig, etcd: str, index: int, *, node_rank: int = 0,
                   host: str = "127.0.0.1", node_id: str = "") -> list[str]:
     """The ``ftsystem agent`` command line of node ``node_rank`` of replica ``index``, training
-    ``ftsystem.example.train`` (``--kill-at`` goes to every node: the replica's last rank acts on it)."""
+    with ``cfg.program`` (``--kill-at`` goes to every node: the replica's last rank acts on it)."""
     kills = [f"--kill-at={k.point}" for k in cfg.kills if k.replica == index]
-    train = [sys.executable, "-m", "ftsystem.example.train", "--steps", str(cfg.num_steps),
+    train = [sys.executable, *cfg.program, "--steps", str(cfg.num_steps),
              "--data-shard", str(index), "--out", str(_results_dir(cfg)), *cfg.train_args,
              *cfg.replica_args.get(index, [])]
     node = ["--node-id", node_id] if node_id else []

@@ -53,6 +53,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ftsystem.training.shards import canonical_name, model_tensors
+
 log = logging.getLogger(__name__)
 
 MARKER = ".complete"
@@ -164,6 +166,23 @@ class TrainingState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+
+
+def check_checkpointable(model: torch.nn.Module) -> None:
+    """Refuse a model whose ``state_dict()`` holds names no module has: a hook that renames or
+    splits tensors (torchtitan's fused QKV projection saves its one weight as ``wq``, ``wk``
+    and ``wv``). :class:`TrainingState` reads the model through DCP's ``get_state_dict``, which
+    looks every name up on the modules and fails on these at the first save."""
+    held = set(model_tensors(model))
+    renamed = sorted(name for name in map(canonical_name, model.state_dict()) if name not in held)
+    if renamed:
+        shown = ", ".join(renamed[:3]) + (", ..." if len(renamed) > 3 else "")
+        raise ValueError(
+            f"disk checkpoints cannot hold this model: its state_dict() names {len(renamed)} "
+            f"tensors no module holds ({shown}), "
+            "which torch.distributed.checkpoint cannot resolve. Run the job without a "
+            "checkpoint policy (the replicas still recover from each other), or give the model "
+            "a state_dict() under its modules' own names")
 
 
 # --- file system --------------------------------------------------------------------------------

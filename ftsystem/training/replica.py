@@ -21,7 +21,8 @@ The average is over the members that took part: when a replica is missing, its d
 that step is skipped, not redistributed, so the effective batch of that step is smaller.
 
 A replica may have several ranks (``--nodes N --nproc-per-node M``): the model is sharded in the
-replica with FSDP2, rank k all-reduces shard k with rank k of the other replicas, and the
+replica with FSDP2, or split with tensor parallelism over a mesh of its ranks (``mesh=``), rank
+k all-reduces its part with rank k of the other replicas, and the
 replica's ranks vote before anything changes their state (``replica_group``), so the replica
 commits all its shards of a step or none. Only rank 0 registers with the controller.
 
@@ -43,6 +44,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ftsystem.chaos.faults import FaultPoint, FaultSchedule
 from ftsystem.control import keys
@@ -50,7 +52,7 @@ from ftsystem.control.membership import ReplicaState
 from ftsystem.control.timeouts import StragglerBound, Timeouts
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
-from ftsystem.training.checkpoint import Checkpointer, TrainingState
+from ftsystem.training.checkpoint import Checkpointer, TrainingState, check_checkpointable
 from ftsystem.training.commit_times import CommitTimes
 from ftsystem.training.end_of_job import needs_donor, registrations_of, replicas_to_serve
 from ftsystem.training.epoch_entry import Entered, EpochEntry, ReplicaEvictedError
@@ -62,12 +64,13 @@ from ftsystem.training.joiner import Joiner
 from ftsystem.training.local_state import LocalState
 from ftsystem.training.parameters import ParameterSet
 from ftsystem.training.phase import Lifecycle, Phase
-from ftsystem.training.replica_group import ReplicaGroup
+from ftsystem.training.replica_group import ReplicaGroup, check_mesh
 from ftsystem.training.replicated import AdvancedBy, Batches, ReplicatedObjects, Stateful
 from ftsystem.training.runtime import ControlPlane, Heartbeat, ReplicaContext
 from ftsystem.training.settings import ENV_LOG_BUDGET, ENV_LOG_PLACE, ReplicaSettings
 from ftsystem.training.devices import free_memory
 from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
+from ftsystem.training.shards import align_grads
 from ftsystem.training.state_access import replica_access
 from ftsystem.training.stores import listening_store
 from ftsystem.training.update_log import UpdateLog, log_on_host
@@ -85,7 +88,8 @@ class FTReplica:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  step_fn: Callable[[], None] | None = None,
                  ctx: ReplicaContext | None = None, overlap: bool | None = None,
-                 warm_up: bool | None = None, settings: ReplicaSettings | None = None) -> None:
+                 warm_up: bool | None = None, settings: ReplicaSettings | None = None,
+                 mesh: DeviceMesh | None = None) -> None:
         """``step_fn``: what :meth:`commit` runs once the parameters' ``.grad`` hold the
         gradients averaged over the members (default: ``optimizer.step()``). Put everything
         the step does after averaging there: clipping, unscaling, the optimizer, the
@@ -111,12 +115,26 @@ class FTReplica:
         3.4 GB/s without) and delays the join by a step, while the cold step's own extra cost
         is small (``bench rejoin``'s ``ftsystem`` against ``cold-join``).
 
-        ``settings``: default ``ReplicaSettings.from_env()``."""
+        ``settings``: default ``ReplicaSettings.from_env()``.
+
+        ``mesh``: the replica's device mesh when it combines parallelisms inside (FSDP2 beside
+        tensor or pipeline parallelism): all of its ranks, in rank order, laid out alike in
+        every replica. The replicas are the data-parallel dimension across meshes: rank k
+        of every replica sums its part of the gradients with rank k of the others, so each
+        part (a shard of the ``dp_shard`` dimension, a slice of the ``tp`` one, a pipeline
+        stage) is averaged over the replicas on its own. It is checked at construction; a
+        mesh that spans replicas, or lists the ranks in another order, is refused. Without
+        it, the replica's ranks are its process group's (``WORLD_SIZE``)."""
         # First what can be refused without side effects: a bad setting or model loses nothing.
         self.settings = settings or ReplicaSettings.from_env()
         self.trainable = ParameterSet(model, optimizer)
         params = self._params = self.trainable.params
         self.ctx = ctx or ReplicaContext.from_env()
+        if mesh is not None:
+            check_mesh(mesh, self.ctx.world_size)
+        if self.settings.checkpoint is not None:
+            check_checkpointable(model)
+        self.mesh = mesh
         self.replica = ReplicaGroup(self.ctx.world_size)
         self.model, self.optimizer = model, optimizer
         self.lifecycle = Lifecycle(self.ctx.replica_id)
@@ -414,6 +432,7 @@ class FTReplica:
                                "(or use `with FTReplica(...)`), and no commit after finish()")
         self.trainable.check_unchanged()
         self.faults.check(self.step, "step")
+        align_grads(self._params)  # tensor parallelism leaves partial sums: see align_grads
         buf = self.gradients.sum(self.step, self._enter_for_sum,
                                  join_step=lambda: self.lifecycle.is_(Phase.JOIN_STEP))
         if buf is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ftsystem.training.devices import local_device, use_device
 from ftsystem.training.stores import replica_store
@@ -93,6 +94,27 @@ class ReplicaGroup:
     def barrier(self) -> None:
         if self._group is not None:
             dist.barrier(group=self._group)
+
+
+def check_mesh(mesh: DeviceMesh, world_size: int) -> None:
+    """Refuse a device mesh that is not the replica's own ranks in rank order.
+
+    ftsystem's replicas are the outer, fault-tolerant data-parallel dimension: a replica's mesh
+    holds only its own ranks (``WORLD_SIZE``), whatever it combines inside (FSDP2, tensor or
+    pipeline parallelism). Rank k of every replica holds the same part of the model and sums it
+    with rank k of the others, so every replica must lay its mesh out alike, in rank order, as
+    ``init_device_mesh`` does.
+    """
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != list(range(world_size)):
+        dims = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+        raise ValueError(
+            f"FTReplica(mesh=...): the mesh {dims or tuple(mesh.mesh.shape)} holds ranks "
+            f"{ranks}, not this replica's {world_size} ranks (WORLD_SIZE) in rank order. Build "
+            "it over the replica's own ranks, e.g. init_device_mesh(device, (dp_shard, tp), "
+            "mesh_dim_names=(\"dp_shard\", \"tp\")) with dp_shard * tp = WORLD_SIZE: the "
+            "replicas themselves are the data-parallel dimension across meshes, so leave out "
+            "any dimension that spans replicas")
 
 
 def init_replica_group() -> int:

@@ -7,9 +7,10 @@ replica: the ranks holding one shard index form their own cross-replica group. S
 work on the local tensors alone; a replica of one rank is the case where "local" is the whole
 tensor, and the same code serves both.
 
-State is read and written through ``torch.distributed.checkpoint.state_dict``: its sharded
-state dict keys optimizer state by parameter name (stable across processes). An optimizer that has
-not stepped yet (a joiner's) adopts the received state's tensors as its own.
+The model's tensors are read as its modules hold them (:func:`model_tensors`); the optimizer's
+through ``torch.distributed.checkpoint.state_dict``, which keys its state by parameter name
+(stable across processes). An optimizer that has not stepped yet (a joiner's) adopts the
+received state's tensors as its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ftsystem.training.wire import map_tensors
@@ -28,6 +30,23 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def align_grads(params: list[nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements, in place of ``.grad``.
+
+    What crosses replicas is this rank's part of each gradient, laid out as its parameter's
+    part. FSDP2 leaves gradients that way; tensor parallelism does not always: a replicated
+    parameter applied to sequence-sharded activations (a norm under sequence parallelism) gets
+    a ``Partial`` gradient, each rank holding a different addend, and a row-wise sharded
+    embedding a replicated one. The partial sums are reduced over the mesh here (a collective
+    inside the replica: every rank calls this at the same point of the step, parameters in one
+    order), as the optimizer would have done implicitly.
+    """
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def _to_local(tree):
     return map_tensors(tree, lambda t: local(t).detach())
 
@@ -35,18 +54,50 @@ def _to_local(tree):
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's live tensors (references: copy them before the next ``optimizer.step()``
     if the values must stay, as the snapshotter does) and the optimizer's hyperparameters."""
-    return {"model": _to_local(get_model_state_dict(model)),
+    register_shards(model)
+    return {"model": _to_local(model_tensors(model)),
             "buffers": _to_local(non_persistent_buffers(model)),
             "optim": _optimizer_slots(model, optimizer),
             "hyper": [{k: v for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]}
 
 
+def register_shards(model: nn.Module) -> None:
+    """Make every FSDP2 module hold its sharded parameters, the ones the optimizer steps.
+
+    FSDP2 keeps the root module's parameters unsharded after a forward without backward (an
+    evaluation): the module then holds whole tensors the optimizer does not know, and DCP,
+    which finds the optimizer's parameters by ``model.named_parameters()``, cannot name them.
+    ``state_dict()`` reshards through FSDP2's pre-hook; :func:`model_tensors` reads the modules
+    without it, so the state's readers and writers reshard here (local: no collective)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers as the modules hold them, by canonical name, each
+    tensor once. Not ``state_dict()``, whose hooks may rename and reshape what a checkpoint
+    holds (torchtitan's fused QKV projection saves its one weight as three, under names no
+    module has): the replicas exchange the live tensors themselves. FSDP2's modules must hold
+    their shards (:func:`register_shards`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        persistent = [(name, buffer) for name, buffer in module._buffers.items()
+                      if name not in module._non_persistent_buffers_set]
+        for name, tensor in [*module._parameters.items(), *persistent]:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors[canonical_name(f"{prefix}.{name}" if prefix else name)] = tensor
+    return tensors
+
+
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``state_dict()`` leaves out (``register_buffer(..., persistent=False)``:
     a rotary table, a mask, a counter). They are replicated state all the same: a forward may
     update them, and a joiner must hold what the members hold."""
-    return {_canonical(f"{prefix}.{name}" if prefix else name): buffer
+    return {canonical_name(f"{prefix}.{name}" if prefix else name): buffer
             for prefix, module in model.named_modules()
             for name in sorted(module._non_persistent_buffers_set)
             if (buffer := module._buffers.get(name)) is not None}
@@ -57,7 +108,8 @@ WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_
 names DCP gives the state drop them, and so do these."""
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """``name`` without the segments wrappers add (:data:`WRAPPER_SEGMENTS`), as DCP names it."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
@@ -77,11 +129,12 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     which holds between replicas of one job. A tensor received into its destination
     (``wire.decode_state``) is not copied again: ``copy_`` from itself does nothing.
     """
+    register_shards(model)
     optimizer.zero_grad(set_to_none=True)  # also lets DCP initialize a fresh optimizer below
     if not state["optim"]:
         optimizer.state.clear()
     with torch.no_grad():
-        for name, tensor in _to_local(get_model_state_dict(model)).items():
+        for name, tensor in _to_local(model_tensors(model)).items():
             tensor.copy_(state["model"][name])
         for name, tensor in _to_local(non_persistent_buffers(model)).items():
             tensor.copy_(state["buffers"][name])
@@ -127,7 +180,7 @@ def _adopt_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters by the names DCP gives them (wrapper segments dropped)."""
-    return {_canonical(name): param for name, param in model.named_parameters()}
+    return {canonical_name(name): param for name, param in model.named_parameters()}
 
 
 def _shaped_like(param: torch.Tensor, tensor):
