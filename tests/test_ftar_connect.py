@@ -143,27 +143,36 @@ def test_a_member_marked_at_the_step_whose_beats_stand_still_is_named_silent():
         ftar._arrivals.set(str(rank), "7")  # everyone marked step 7
     ftar._arrivals.add("beat0", 4)  # r0 beat, then froze after its mark
     live = _Beats(client(), rank=1)  # r1 beats
+    mine = _Beats(client(), rank=2)  # and so does r2, which reads: its beats are the clock
     try:
         early = ftar._read_marks(epoch, 7)
         assert early.done.wait(5)
-        time.sleep(SILENT_AFTER_S + 0.2)
+        time.sleep(SILENT_AFTER_S + 0.4)
         assert ftar._late_members(epoch, 7, early) == ("r0",)
         early = ftar._read_marks(epoch, 7)  # too close to the next read to tell: only slow
         assert early.done.wait(5)
         assert ftar._late_members(epoch, 7, early) == ()
     finally:
         live.stop()
+        mine.stop()
 
 
 def test_silent_members_are_those_whose_beats_stood_still_whatever_their_mark():
     early = _MarksRead(10.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 9, "r3": 0, "r4": 5},
                        beats_read=(10.0, 10.1))
-    now = _MarksRead(11.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 9, "r3": 0, "r4": 8},
+    now = _MarksRead(11.0, late=("r1",), beats={"r0": 4, "r1": 2, "r2": 14, "r3": 0, "r4": 8},
                      beats_read=(11.0, 11.1))
     # r0 (marked) and r1 (not arrived) stood still: silent, as a dead host is wherever it was
-    # in its step. r2 reads. r3 had not beaten yet (building its group): not judged. r4 beats.
+    # in its step. r2 reads, and beat 5 times meanwhile. r3 had not beaten yet (building its
+    # group): not judged. r4 beats.
     assert silent_members(early, now, me="r2") == ("r0", "r1")
     assert silent_members(None, now, me="r2") == ()
+    # r2's own beats moved less than half of the span's 4.5: this machine, or the store's host,
+    # ran too little to tell a silent member from one held back (a loaded machine, where a live
+    # member's beats stood still 2 s while the store's host starved)
+    starved = _MarksRead(11.0, late=("r1",), beats=now.beats | {"r2": 11},
+                         beats_read=(11.0, 11.1))
+    assert silent_members(early, starved, me="r2") == ()
     # Counts read less than SILENT_AFTER_S apart tell nothing, also when the early read started
     # long before (a slow store answered it late).
     late_answer = _MarksRead(10.0, late=(), beats=early.beats, beats_read=(10.9, 10.95))

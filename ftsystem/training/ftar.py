@@ -630,9 +630,15 @@ def silent_members(early: _MarksRead | None, now: _MarksRead, me: str,
     counts were read ``after_s`` apart (a read that a slow store answered late is nearer the
     next than its start). A member that had not beaten yet at the first read (still
     building its group) is not judged: if it never arrives, the bound's read of the marks
-    names it (pure)."""
-    if early is None or early.beats is None or now.beats is None or \
-            now.beats_read[0] - early.beats_read[1] < after_s:
+    names it. Nor is anyone while ``me``'s own count moved less than half the beats the span
+    holds: its beats, on the same store, are the clock. A machine too loaded to run this
+    process's beat thread, or the store's host, for the span may have held the others' beats
+    back as well, and their silence says nothing of them (pure)."""
+    if early is None or early.beats is None or now.beats is None:
+        return ()
+    span_s = now.beats_read[0] - early.beats_read[1]
+    mine = now.beats.get(me, 0) - early.beats.get(me, 0)
+    if span_s < after_s or mine < max(1.0, span_s / BEAT_S / 2):
         return ()
     return tuple(m for m, count in now.beats.items()
                  if m != me and early.beats.get(m, 0) > 0 and early.beats.get(m) == count)
