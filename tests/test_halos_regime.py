@@ -37,10 +37,11 @@ def test_the_grid_scales_the_papers_outer_lrs_and_tries_each_inner_lr():
     setup, cfg = load_setup(), regime.RegimeConfig()
     assert regime.grid(setup, "sync", cfg) == [{"lr": 1e-3}, {"lr": 2e-3}, {"lr": 4e-3}]
     halos = regime.grid(setup, "halos", cfg, [1e-3, 4e-3])
-    assert len(halos) == 2 * 3 * 3
+    assert len(halos) == 2 * 4 * 4
     assert {(p["lps_lr"], p["gps_lr"]) for p in halos} == {
-        (lps, gps) for lps in (0.1, 0.2, 0.4) for gps in (0.075, 0.15, 0.3)}
-    assert [p["outer_lr"] for p in regime.grid(setup, "diloco", cfg, [1e-3])] == [0.35, 0.7, 1.4]
+        (lps, gps) for lps in (0.05, 0.1, 0.2, 0.4) for gps in (0.0375, 0.075, 0.15, 0.3)}
+    assert [p["outer_lr"] for p in regime.grid(setup, "diloco", cfg, [1e-3])] == [
+        0.175, 0.35, 0.7, 1.4]
     assert regime.paper_hyperparameters(setup, "async_local_sgd") == {"inner_lr": 1e-3,
                                                                       "server_lr": 0.05}
 

@@ -96,9 +96,10 @@ class RegimeConfig:
     """Seed of the tuning runs: other data and another initial model than any measured run."""
     lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3)
     """AdamW peak lrs tried for sync and for a single worker."""
-    outer_scales: tuple[float, ...] = (0.5, 1.0, 2.0)
-    """Multiples of the paper's outer lrs tried for each local method: on both sides of the
-    paper's, so that a choice of 1x is an optimum of the grid, not its edge."""
+    outer_scales: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+    """Multiples of the paper's outer lrs tried for each local method: reaching well below the
+    paper's, since in this regime (batches far below the paper's) HALoS's and DiLoCo's best
+    outer lrs lie below it, and a choice at the grid's edge is no optimum."""
     k_values: tuple[int, ...] = (8, 16, 32)
     """Update accumulation K of the K sweep (tuned HALoS otherwise)."""
     noise_every: int = 16
