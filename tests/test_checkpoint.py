@@ -32,6 +32,7 @@ from ftsystem.training.checkpoint import (
 )
 from ftsystem.control.etcd_server import free_port
 from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
+from renaming_model import FusedPair
 
 CFG = ModelConfig()  # the small default model: ~0.1M parameters
 # DCP announces every single-process save and load; that is what these tests do.
@@ -324,23 +325,8 @@ def test_two_ranks_save_shards_that_reload_sharded_and_whole(tmp_path: Path) -> 
     assert_bitwise_equal(expected, tensors(model, optimizer))
 
 
-class _SplitOnSave(torch.nn.Module):
-    """One weight that state_dict() saves as two, under names no module has (as torchtitan's
-    fused QKV projection saves its one weight as wq, wk and wv)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fused = torch.nn.Linear(4, 8, bias=False)
-        self.register_state_dict_post_hook(self._split)
-
-    @staticmethod
-    def _split(module, state, prefix, metadata) -> None:
-        state[f"{prefix}a.weight"], state[f"{prefix}b.weight"] = \
-            state.pop(f"{prefix}fused.weight").chunk(2)
-
-
 def test_a_model_whose_state_dict_renames_its_tensors_is_refused_before_a_save_fails() -> None:
-    model = torch.nn.Sequential(_SplitOnSave(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(FusedPair(), torch.nn.Linear(8, 2))
     with pytest.raises(AttributeError):  # what the first save would meet
         get_state_dict(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match=r"2 tensors no module holds \(0.a.weight, 0.b.weight\)"

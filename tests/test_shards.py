@@ -17,6 +17,7 @@ from ftsystem.training.flat import FlatLayout, release_grads
 from ftsystem.training.shards import load_local_state, local_state
 from ftsystem.training.wire import tree_tensors
 from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
+from renaming_model import FusedPair
 
 LANGUAGE = MarkovLanguage()
 
@@ -214,29 +215,11 @@ def test_non_persistent_buffers_travel_with_the_state():
     assert torch.equal(receiver[0].seen, torch.full((3,), 7.0))
 
 
-class _FusedPair(torch.nn.Module):
-    """One weight that state_dict() saves as two, under names no module has (as torchtitan's
-    fused QKV projection saves its one weight as wq, wk and wv)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fused = torch.nn.Linear(4, 8, bias=False)
-        self.register_state_dict_post_hook(self._split)
-
-    @staticmethod
-    def _split(module, state, prefix, metadata) -> None:
-        first, second = state.pop(f"{prefix}fused.weight").chunk(2)
-        state[f"{prefix}a.weight"], state[f"{prefix}b.weight"] = first, second
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)
-
-
 def test_a_model_whose_state_dict_renames_its_tensors_moves_them_as_its_modules_hold_them():
     replicas = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        model = torch.nn.Sequential(_FusedPair(), torch.nn.Linear(8, 2))
+        model = torch.nn.Sequential(FusedPair(), torch.nn.Linear(8, 2))
         replicas.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
     (donor, donor_opt), (joiner, joiner_opt) = replicas
     donor(torch.ones(3, 4)).sum().backward()
