@@ -86,6 +86,33 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, poll: float 
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (threads and processes may vanish while we look)."""
+    children: set[int] = set()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return children
+    for task in tasks:
+        try:
+            children |= {int(c) for c in (task / "children").read_text().split()}
+        except FileNotFoundError:
+            continue
+    for child in set(children):
+        children |= descendants(child)
+    return children
+
+
+def exit_code_within(process: subprocess.Popen, timeout: float, log: Path, what: str) -> int:
+    """``process``'s exit code, which must come within ``timeout``; else fail with the end of
+    its ``log``."""
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what} did not exit within {timeout:.0f} s:\n"
+                             f"{log.read_text()[-3000:]}") from None
+
+
 def serving(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200

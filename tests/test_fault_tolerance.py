@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import wait_for
+from conftest import descendants, exit_code_within, wait_for
 from ftsystem.control.etcd_server import EmbeddedEtcd, free_port
 from ftsystem.chaos.faults import FaultPoint
 from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
@@ -212,32 +212,12 @@ def test_agent_told_to_stop_exits_in_bounded_time_while_etcd_is_frozen(own_etcd,
         own_etcd.process.send_signal(signal.SIGSTOP)
         agent.send_signal(signal.SIGTERM)
         margin_s = 10.0  # the interpreter's exit, and a loaded machine
-        try:
-            code = agent.wait(bound_s + margin_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the agent did not exit within {bound_s + margin_s:.0f} s "
-                                 f"of SIGTERM:\n{log_path.read_text()[-3000:]}") from None
+        code = exit_code_within(agent, bound_s + margin_s, log_path,
+                                "the agent told to stop by SIGTERM")
     finally:
         agent.kill()
     assert code == EXIT_SIGNALLED_BASE + signal.SIGTERM == 143, log_path.read_text()[-3000:]
     assert "skipped" in log_path.read_text(), "no etcd work was reported as skipped"
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (threads and processes may vanish while we look)."""
-    children: set[int] = set()
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return children
-    for task in tasks:
-        try:
-            children |= {int(c) for c in (task / "children").read_text().split()}
-        except FileNotFoundError:
-            continue
-    for child in set(children):
-        children |= _descendants(child)
-    return children
 
 
 def _as_a_foreground_job() -> None:
@@ -259,10 +239,10 @@ def test_ctrl_c_on_run_leaves_no_process_behind(tmp_path):
         wait_for(lambda: re.search(r"status page: http://127\.0\.0\.1:\d+/", printed.read_text()),
                  120, "the status page's URL")
         # etcd, a controller, 2 agents and their 2 replicas (each behind its setpriv exec)
-        tree = wait_for(lambda: len(d := _descendants(run.pid)) >= 6 and
+        tree = wait_for(lambda: len(d := descendants(run.pid)) >= 6 and
                         (tmp_path / "results").exists() and d, 120, "the job to start")
         time.sleep(5)  # let the replicas get into training
-        tree |= _descendants(run.pid)
+        tree |= descendants(run.pid)
         run.send_signal(signal.SIGINT)
         run.wait(60)
         wait_for(lambda: not [p for p in tree if _pid_alive(p)], 30, "every process to exit")

@@ -12,27 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import descendants
 from ftsystem.launch.launcher import RunConfig, run_job
 
 WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 LISTENER = re.compile(r"^\S+\s+\d+\s+\d+\s+(?P<addr>\S+):(?P<port>\d+)\s+\S+\s+users:(?P<users>.*)$")
-
-
-def _descendants(root: int) -> set[int]:
-    """Every process below ``root``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def _is_rank(pid: int) -> bool:
@@ -66,7 +50,7 @@ def test_a_jobs_processes_listen_on_their_advertised_address_only(tmp_path):
     seen: set[tuple[str, int, int]] = set()
     ranks: set[int] = set()
     while runner.is_alive():  # sampled all run long: ranks open their stores as they start
-        found = _listeners(_descendants(os.getpid()))
+        found = _listeners(descendants(os.getpid()))
         ranks |= {pid for _, _, pid in found if _is_rank(pid)}
         seen |= found
         runner.join(0.2)

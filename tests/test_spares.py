@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import controller_process, wait_for
+from conftest import controller_process, exit_code_within, wait_for
 
 from agent.supervisor import EXIT_MISSED_THE_END, _cancel
 from ftsystem.control import keys
@@ -233,12 +233,8 @@ def test_a_spare_waiting_for_a_node_rank_exits_on_sigterm(etcd, job_id, tmp_path
         wait_for(lambda: _prefix(etcd.url, spares), WAIT_S, "the spare's record")
         spare.send_signal(signal.SIGTERM)
         margin_s = 10.0  # the interpreter's exit, and a loaded machine
-        try:
-            code = spare.wait(bound_s + margin_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the spare did not exit within {bound_s + margin_s:.0f} s of "
-                                 f"SIGTERM:\n{(tmp_path / 'spare.log').read_text()[-3000:]}"
-                                 ) from None
+        code = exit_code_within(spare, bound_s + margin_s, tmp_path / "spare.log",
+                                "the spare told to stop by SIGTERM")
         assert code == EXIT_SIGNALLED_BASE + signal.SIGTERM == 143, \
             (tmp_path / "spare.log").read_text()[-3000:]
         assert _prefix(etcd.url, spares) == {}
