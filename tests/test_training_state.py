@@ -181,3 +181,48 @@ def test_replicas_that_register_different_objects_halt_with_a_clear_error(etcd, 
     assert not summary["agents_ok"]  # the halted replica's agent gave up, on purpose
     # the other replica trained to the end
     assert summary["steps"] == cfg.num_steps
+
+
+def test_a_corruption_in_the_first_interval_is_repaired_by_the_majority(etcd, job_id,
+                                                                        tmp_path, monkeypatch):
+    # Every replica but r0 received r0's initial state at the job's start. That sync is no
+    # copy of a history: each replica computed every step since on its own, so at the first
+    # comparison the healthy two are two witnesses against one, and r2 is repaired.
+    monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "20")
+    cfg = RunConfig(num_replicas=3, min_replicas=3, num_steps=60, etcd=etcd.url, job=job_id,
+                    out_dir=tmp_path, kills=[ReplicaKill(2, FaultPoint(10, "corrupt"))],
+                    train_args=["--sleep-per-step", "0.02", "--linger", "30"],
+                    show_progress=False)
+    summary = run_job(cfg)
+    results = _results(cfg)
+
+    assert summary["agents_ok"] and summary["failures"] == [], summary
+    assert summary["bitwise_identical"], {k: r["state_hash"] for k, r in results.items()}
+    events = _events(etcd.url, job_id, tmp_path)
+    assert [(e["kind"], e["replica"], e["step"]) for e in events] == [("divergence", "r2", 20)]
+    assert [d["step"] for d in results["r2"]["divergences"]] == [20]
+    assert any(e["reason"] == "resync" for e in results["r2"]["epochs"])
+    assert not results["r0"]["divergences"] and not results["r1"]["divergences"]
+
+
+def test_replicas_that_copied_each_other_never_hand_a_corruption_the_job(etcd, job_id,
+                                                                          tmp_path, monkeypatch):
+    # r2 goes bad at step 10; r0 dies at 20 and catches up from a peer before the first
+    # comparison (min_replicas=3: the others wait for it). Whichever donor it copied, its
+    # state and its donor's are one witness: two witnesses, one good and one bad, and
+    # nobody can tell which is right. The job stops, and no healthy replica is overwritten
+    # with the bad state.
+    monkeypatch.setenv("FTSYSTEM_FINGERPRINT_EVERY", "40")
+    cfg = RunConfig(num_replicas=3, min_replicas=3, num_steps=80, etcd=etcd.url, job=job_id,
+                    out_dir=tmp_path, kills=[ReplicaKill(2, FaultPoint(10, "corrupt")),
+                                             ReplicaKill(0, FaultPoint(20, "step"))],
+                    train_args=["--sleep-per-step", "0.02", "--linger", "10"],
+                    show_progress=False)
+    run_job(cfg)
+    events = _events(etcd.url, job_id, tmp_path)
+    halts = [e for e in events if e["kind"] == "halt"]
+    assert halts and all("no majority" in e["reason"] for e in halts), events
+    assert all(e["step"] == 40 for e in events if e["kind"] == "divergence"), events
+    # A halted replica writes no result; any that did never entered a repair epoch.
+    results = _results(cfg)
+    assert not any(e["reason"] == "resync" for r in results.values() for e in r["epochs"])

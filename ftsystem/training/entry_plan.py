@@ -5,9 +5,8 @@ same :class:`EntryPlan` from the same rows, and ``epoch_entry`` carries it out. 
 does I/O, so the rules are property-tested (``tests/test_entry_plan.py``):
 
 - **Who donates.** Among the members that hold the job's state (not fresh), the most advanced;
-  at that step, the commit chain that most of them hold, a copy that still holds its source's
-  chain counting with its source, not on its own (:attr:`MemberRow.copied_from`); the lowest
-  index among equals. With nobody holding state
+  at that step, the commit chain with the most votes, one per copy lineage that holds it
+  (:attr:`MemberRow.lineage`, ``fingerprint.lineage_votes``); the lowest index among equals. With nobody holding state
   (the job's start) member 0.
 - **Who receives.** Every member that is fresh, behind the donor, or at its step on another
   chain. Members at the donor's step on its chain hold identical state already.
@@ -20,11 +19,9 @@ does I/O, so the rules are property-tested (``tests/test_entry_plan.py``):
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter
 from dataclasses import dataclass, fields
 
-from ftsystem.training.fingerprint import WORDS, from_words, to_words
+from ftsystem.training.fingerprint import WORDS, from_words, lineage_votes, to_words
 
 NO_LOG = -1
 """:attr:`MemberRow.oldest_logged` of a member whose log holds nothing."""
@@ -40,11 +37,12 @@ class MemberRow:
     """Its commit chain (``fingerprint.chain_next``)."""
     fresh: bool = False
     """It holds no state of the job yet (a new process, or one that dropped its state)."""
-    me: int = 0
-    """Its replica id, hashed (:func:`replica_word`)."""
-    copied_from: int = 0
-    """The replica whose whole state it copied since its last digest comparison, hashed (0:
-    none). While it holds what its source holds it is an echo of it, not a vote of its own."""
+    lineage: int = 0
+    """Its copy lineage (``LocalState.lineage``): members of one lineage hold states descended
+    from one whole-state copy, and vote once."""
+    verified: bool = False
+    """Its state is the one its last digest comparison found agreeing with the majority (it
+    has not stepped since): a copy of it starts a lineage of its own."""
     oldest_logged: int = NO_LOG
     """The oldest step its update log can replay from."""
     signature: int = 0
@@ -58,16 +56,16 @@ class MemberRow:
 
     def words(self) -> list[int]:
         """As int64 words (what travels in the all-reduce)."""
-        return [self.step, int(self.fresh), self.me, self.copied_from, self.oldest_logged,
+        return [self.step, int(self.fresh), self.lineage, int(self.verified), self.oldest_logged,
                 self.signature, int(self.will_sum), int(self.offers_join_step),
                 self.carry_size, *to_words(self.chain)]
 
     @classmethod
     def from_words(cls, words: list[int]) -> "MemberRow":
-        (step, fresh, me, copied_from, oldest, signature, will_sum, offers, carry_size), chain \
+        (step, fresh, lineage, verified, oldest, signature, will_sum, offers, carry_size), chain \
             = words[:9], words[9:]
-        return cls(step=step, chain=from_words(chain), fresh=bool(fresh), me=me,
-                   copied_from=copied_from, oldest_logged=oldest, signature=signature,
+        return cls(step=step, chain=from_words(chain), fresh=bool(fresh), lineage=lineage,
+                   verified=bool(verified), oldest_logged=oldest, signature=signature,
                    will_sum=bool(will_sum), offers_join_step=bool(offers),
                    carry_size=carry_size)
 
@@ -108,27 +106,17 @@ def choose_donor(rows: list[MemberRow]) -> int:
     holders = [i for i, r in enumerate(rows) if not r.fresh] or list(range(len(rows)))
     top = max(rows[i].step for i in holders)
     at_top = [i for i in holders if rows[i].step == top]
-    sources = source_indices([r.me for r in rows], [r.copied_from for r in rows])
-    voters = [i for i in at_top if not (sources[i] is not None and
-                                        rows[sources[i]].step == top and
-                                        rows[sources[i]].chain == rows[i].chain)] or at_top
-    votes = Counter(rows[i].chain for i in voters)
+    votes = lineage_votes([rows[i].chain for i in at_top], [rows[i].lineage for i in at_top])
     best = max(votes.values())
-    return next(i for i in at_top if votes.get(rows[i].chain, 0) == best)
+    return next(i for i in at_top if votes[rows[i].chain] == best)
 
 
-def replica_word(replica_id: str) -> int:
-    """A replica id as one nonzero int64 word (what travels in a row)."""
-    word = int.from_bytes(hashlib.blake2b(replica_id.encode(), digest_size=8).digest(), "little",
-                          signed=True)
-    return word or 1
-
-
-def source_indices(me: list[int], copied_from: list[int]) -> list[int | None]:
-    """Per member, the index of the member it copied its state from (None: none, or the
-    source is not a member)."""
-    index = {word: i for i, word in enumerate(me) if word}
-    return [index.get(word) if word else None for word in copied_from]
+def copy_inherits_lineage(donor: MemberRow) -> bool:
+    """Whether a receiver of ``donor``'s whole state joins its lineage. Not at the job's start
+    (the donor is fresh: the initial state, which every replica would compute alike), nor from
+    a state the last comparison verified (a repair receives the majority's state at the step
+    it was compared): a corruption there was ruled out, so the copy is a witness of its own."""
+    return not (donor.fresh or donor.verified)
 
 
 def join_step_absentees(summing: list[bool], offers: list[bool], receivers: list[int]

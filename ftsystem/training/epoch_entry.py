@@ -22,8 +22,9 @@ from ftsystem.chaos.faults import FaultSchedule
 from ftsystem.control.membership import Epoch
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
-from ftsystem.training.entry_plan import (NO_LOG, ROW_WORDS, EntryPlan, MemberRow, forked,
-                                          plan_entry, replica_word, sync_by_log)
+from ftsystem.training.entry_plan import (NO_LOG, ROW_WORDS, EntryPlan, MemberRow,
+                                          copy_inherits_lineage, forked, plan_entry,
+                                          sync_by_log)
 from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce
 from ftsystem.training.integrity import Integrity
 from ftsystem.training.local_state import LocalState
@@ -146,9 +147,8 @@ class EpochEntry:
         # a joiner taking that step with no gradient takes these states.
         pending_carry = self.state.objects.carry() if will_sum else b""
         mine = MemberRow(step=self.state.step, chain=self.state.chain, fresh=self.state.fresh,
-                         me=replica_word(self.ctx.replica_id),
-                         copied_from=replica_word(self.state.copied_from)
-                         if self.state.copied_from else 0, oldest_logged=oldest,
+                         lineage=self.state.lineage, verified=self.state.verified,
+                         oldest_logged=oldest,
                          signature=self.integrity.signature_word(), will_sum=will_sum,
                          offers_join_step=offers_join_step, carry_size=len(pending_carry))
         table = torch.zeros(n, ROW_WORDS, dtype=torch.int64, device=self._device)
@@ -181,7 +181,7 @@ class EpochEntry:
         if by_log:
             apply = self._sync_by_log(plan, held, meta)
         else:
-            apply = self._sync_by_state(plan)
+            apply = self._sync_by_state(plan, copy_inherits_lineage(rows[plan.donor]))
         return entered, (apply if rank in plan.receivers else None)
 
     def _broadcast_bytes(self, payload: bytes, root: int, size: int | None = None) -> bytes:
@@ -239,14 +239,14 @@ class EpochEntry:
                     metrics.CATCHUP_STEPS.labels(*self._labels).inc()
         return replay
 
-    def _sync_by_state(self, plan: EntryPlan) -> Callable[[], None]:
+    def _sync_by_state(self, plan: EntryPlan, inherit_lineage: bool) -> Callable[[], None]:
         donor = plan.donor
         buf = self._broadcast_bytes(self.state.serialize() if self.ftar.rank == donor else b"",
                                     donor)
         source = self.ftar.epoch.members[donor]
 
         def load() -> None:
-            self.state.load_serialized(buf, self._device, source=source)
+            self.state.load_serialized(buf, self._device, inherit_lineage=inherit_lineage)
             log.info("replica %s rank %d loaded state at step %d from %s", self.ctx.replica_id,
                      self.ctx.rank, self.state.step, source)
         return load

@@ -19,6 +19,7 @@ Digests are 16 bytes (BLAKE2b): two int64 words, so they travel in an all-reduce
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -100,33 +101,39 @@ class Judgement:
         return bool(self.majority)
 
 
-def echoes(digests: list[bytes], sources: list[int | None]) -> list[bool]:
-    """Which members are echoes: each copied the whole state of member ``sources[i]`` since
-    the last comparison and still holds that member's digest. An echo is no vote of its own,
-    right or wrong, since it holds what its source held. A copy whose digest differs from its
-    source's is a vote: one of the two changed since the copy (a source gone bad after it, or
-    the copy itself)."""
-    return [s is not None and s != i and digests[s] == digests[i]
-            for i, s in enumerate(sources)]
+def new_lineage() -> int:
+    """A lineage word no other state holds: the state of a replica that computed its own steps
+    since its last agreeing comparison (or since it started) is a history of its own."""
+    return int.from_bytes(os.urandom(8), "little", signed=True) or 1
 
 
-def judge(digests: list[bytes], sources: list[int | None] | None = None) -> Judgement:
-    """Who differs from whom: a digest held by more than half of the votes is the truth,
-    every member holding another (voting or an echo) is divergent. With no strict majority
-    (a 1-1 split, or all different) nobody can tell which state is right.
+def lineage_votes(values: list, lineages: list[int]) -> Counter:
+    """Votes per value, one per copy lineage that holds it.
 
-    ``sources``: per member, the member whose whole state it copied since the last comparison
-    (None: none). Echoes (:func:`echoes`) do not vote: a joiner that copied a donor gone bad
-    cannot make the bad state a majority with it. When every member is an echo, all vote.
+    Members of one lineage hold states that descend from one whole-state copy made since the
+    last agreeing comparison (``LocalState.lineage``): whatever the copied state held, right
+    or wrong, every one of them holds too, so together they are one witness of it, however
+    many they are and whoever copied from whom (a cycle of copies included). Members of one
+    lineage that hold different values are a witness each: one of them changed since the copy.
+    A corruption therefore never has more than one vote: it spreads only by copies, and a copy
+    takes its source's lineage."""
+    return Counter(value for value, _ in dict.fromkeys(zip(values, lineages)))
+
+
+def judge(digests: list[bytes], lineages: list[int] | None = None) -> Judgement:
+    """Who differs from whom: a digest with more than half of the votes
+    (:func:`lineage_votes`) is the truth, every member holding another is divergent. With no
+    strict majority (a 1-1 split, or all different) nobody can tell which state is right.
+
+    ``lineages``: per member, its copy lineage (None: every member a lineage of its own).
     """
-    voting = [not e for e in echoes(digests, sources)] if sources else [True] * len(digests)
-    if not any(voting):
-        voting = [True] * len(digests)
-    votes = Counter(d for d, v in zip(digests, voting) if v)
+    if lineages is None:
+        lineages = list(range(len(digests)))
+    votes = lineage_votes(digests, lineages)
     common, count = votes.most_common(1)[0]
     if all(d == common for d in digests):
         return Judgement(divergent=(), majority=tuple(range(len(digests))))
-    if 2 * count > sum(voting):
+    if 2 * count > sum(votes.values()):
         return Judgement(divergent=tuple(i for i, d in enumerate(digests) if d != common),
                          majority=tuple(i for i, d in enumerate(digests) if d == common))
     return Judgement(divergent=tuple(range(len(digests))), majority=())

@@ -3,9 +3,10 @@
 - Every ``FTSYSTEM_FINGERPRINT_EVERY`` steps the members compare state digests
   (:meth:`Integrity.compare_digests`). A replica whose digest differs from the majority's is
   reported and receives the majority's state in a new epoch; with no majority the job stops.
-  A replica that copied a peer's whole state since the last comparison and still holds what
-  its source holds votes with its source, not on its own (``fingerprint.echoes``): a joiner
-  that copied a donor gone bad cannot outvote the healthy replicas with it.
+  Votes are counted per copy lineage (``fingerprint.lineage_votes``): replicas whose states
+  descend from one whole-state copy made since the last comparison are one witness, so a
+  joiner that copied a donor gone bad cannot outvote the healthy replicas with it, and no
+  corruption ever has more than one vote.
 - At every epoch entry the members compare signatures (registered objects, settings) and
   commit chains (``epoch_entry``); what differs is reported here.
 - :meth:`Integrity.halt` stops a replica for good: no restart can fix what it found.
@@ -21,7 +22,6 @@ import torch
 
 from ftsystem.control import keys
 from ftsystem.measure import metrics
-from ftsystem.training.entry_plan import replica_word, source_indices
 from ftsystem.training.fingerprint import WORDS, from_words, judge, to_words
 from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce
 from ftsystem.training.local_state import LocalState
@@ -78,17 +78,12 @@ class Integrity:
         if n == 1:
             return False
         started, verdict = time.monotonic(), None
-        source = self.state.copied_from
-        words = torch.zeros(n, WORDS + 2, dtype=torch.int64, device=self._device)
-        words[rank] = torch.tensor([*to_words(self.state.digest()),
-                                    replica_word(self.ctx.replica_id),
-                                    replica_word(source) if source else 0])
+        words = torch.zeros(n, WORDS + 1, dtype=torch.int64, device=self._device)
+        words[rank] = torch.tensor([*to_words(self.state.digest()), self.state.lineage])
         try:
             self.ftar.allreduce_sum(words)
             rows = words.tolist()
-            verdict = judge([from_words(w[:WORDS]) for w in rows],
-                            source_indices([w[WORDS] for w in rows],
-                                           [w[WORDS + 1] for w in rows]))
+            verdict = judge([from_words(w[:WORDS]) for w in rows], [w[WORDS] for w in rows])
         except (EpochChanged, CollectiveFailed) as e:
             log.info("replica %s step %d: state digests not compared (%s)",
                      self.ctx.replica_id, self.state.step, e)

@@ -147,7 +147,7 @@ class Joiner:
                             addr, into=self._receiving_tensors, on_progress=self.report)
                     else:
                         stats["prefetched"] = True
-                    self.state.load(snapshot.state, source=donor)
+                    self.state.load(snapshot.state)
                     stats.update(snapshot.stats(), bytes=stats["bytes"] + snapshot.nbytes)
                     metrics.CATCHUP_BYTES.labels(*self._labels).inc(snapshot.nbytes)
                     time.sleep(self._settings.catchup_pause_s)
@@ -204,7 +204,7 @@ class Joiner:
                      "joining with a full state sync", self.ctx.replica_id,
                      self.ctx.rank, step)
             return
-        self.state.load(state, source=donor)
+        self.state.load(state)
         stats.update(snapshot_step=step, duration_s=time.monotonic() - started)
         metrics.CATCHUP_BYTES.labels(*self._labels).inc(stats["bytes"])
         metrics.CATCHUP_DURATION.labels(*self._labels).observe(stats["duration_s"])

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ftsystem.training import carriable
-from ftsystem.training.fingerprint import GENESIS, chain_next, state_digest
+from ftsystem.training.fingerprint import GENESIS, chain_next, new_lineage, state_digest
 from ftsystem.training.replicated import ReplicatedObjects
 from ftsystem.training.flat import FlatLayout, release_grads
 from ftsystem.training.shards import load_local_state, local, local_state
@@ -78,7 +78,8 @@ class LocalState:
         self._chain = GENESIS
         self._carry = b""
         self._fresh = True
-        self._copied_from: str | None = None
+        self._lineage = new_lineage()
+        self._verified_step: int | None = None
         self._scratch: torch.Tensor | None = None
 
     # --- reading ---------------------------------------------------------------------------
@@ -104,23 +105,30 @@ class LocalState:
         return self._fresh
 
     @property
-    def copied_from(self) -> str | None:
-        """The replica whose whole state this rank copied since its last digest comparison
-        (None: none): while it holds what its source holds, it is an echo of it, no vote of
-        its own (``fingerprint.echoes``)."""
-        return self._copied_from
+    def lineage(self) -> int:
+        """The copy lineage of this rank's state: a word of its own, or, once it copied a
+        peer's whole state, the peer's, until a digest comparison finds it agreeing with the
+        majority. Every state that descends from one copy holds the same word, and such
+        states are one witness in a comparison (``fingerprint.lineage_votes``)."""
+        return self._lineage
+
+    @property
+    def verified(self) -> bool:
+        """The last digest comparison found this state agreeing with the majority, and no
+        step was applied since."""
+        return self._verified_step == self._step and not self._fresh
 
     def state(self) -> dict:
         """Everything replicated, at :attr:`step`: tensors by reference (see Snapshotter)."""
         return {**local_state(self.model, self.optimizer), "step": self._step,
                 "objects": self.objects.step_state(), "carry": self._carry,
-                "chain": self._chain}
+                "chain": self._chain, "lineage": self._lineage}
 
     def fingerprinted(self) -> dict:
         """What the state digest covers: everything replicated but the chain (compared on
-        its own at every epoch entry), the loop-advanced objects decoded."""
+        its own at every epoch entry) and the lineage, the loop-advanced objects decoded."""
         state = self.state()
-        del state["chain"]
+        del state["chain"], state["lineage"]
         state["carry"] = self.objects.decode(self._carry)
         return state
 
@@ -206,25 +214,31 @@ class LocalState:
             self._scratch = torch.empty_like(update)
         return self._scratch.copy_(update)
 
-    def load(self, state: dict, *, source: str) -> None:
-        """Take the whole state of replica ``source`` (a snapshot, the epoch's state sync)."""
+    def load(self, state: dict, *, inherit_lineage: bool = True) -> None:
+        """Take a peer's whole state (a snapshot, the epoch's state sync), and with it its
+        lineage unless ``inherit_lineage`` is False (``entry_plan.copy_inherits_lineage``)."""
         self.snapshotter.before_mutation()
         self.update_log.clear()
         load_local_state(self.model, self.optimizer, state)
         self.objects.load_step_state(state["objects"])
         self.objects.load_carry(state["carry"])
         self._step, self._chain, self._carry = state["step"], state["chain"], state["carry"]
-        self._fresh, self._copied_from = False, source
+        self._fresh = False
+        self._lineage = state["lineage"] if inherit_lineage else new_lineage()
+        self._verified_step = None
         self._on_step(self._step)
 
-    def load_serialized(self, payload: bytes, device: torch.device, *, source: str) -> None:
-        self.load(carriable.load(io.BytesIO(payload), map_location=device), source=source)
+    def load_serialized(self, payload: bytes, device: torch.device, *,
+                        inherit_lineage: bool = True) -> None:
+        self.load(carriable.load(io.BytesIO(payload), map_location=device),
+                  inherit_lineage=inherit_lineage)
 
     def resumed(self, step: int) -> None:
         """The model, optimizer and :meth:`extras` were loaded from a disk checkpoint of
         ``step`` (every replica of a cold start loads the same one)."""
         self.update_log.clear()
         self._step, self._fresh = step, False
+        self._verified_step = None
         self._on_step(step)
 
     def extras(self) -> dict:
@@ -253,9 +267,10 @@ class LocalState:
         self._fresh = True
 
     def compared(self) -> None:
-        """Its digest was compared with the others' and agreed with the majority's: from
-        here on it is a vote of its own."""
-        self._copied_from = None
+        """Its digest was compared with the others' and agreed with the majority's: whatever
+        it copied was right, and from here on it computes a history of its own."""
+        self._lineage = new_lineage()
+        self._verified_step = self._step
 
     def receiving(self) -> None:
         """A snapshot is being received into this rank's own tensors: until it is loaded
