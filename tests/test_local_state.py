@@ -201,3 +201,45 @@ def test_a_former_joiner_no_longer_replays_its_donors_log():
     joiner.keep_up()  # would fetch the donor's log (and fail: there is no donor, no state)
     assert joiner._donor_addr is None
     transport.fetch_log.assert_not_called()
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each item drawn with the loader worker's RNG, as a random crop or flip is."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(1)
+
+
+def _augmenting_loader():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return StatefulDataLoader(Augmented(), batch_size=1, num_workers=2,
+                              generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_live_commits_leave_a_worker_based_loader_running():
+    # Only a received state (a join step, a replay, a sync) is loaded into the loop's objects:
+    # reloading the loader at every commit would respawn its workers and reset their RNG, so
+    # the augmentation would repeat.
+    from ftsystem.training.replicated import Batches
+    plain = [next(batch).item() for batch in [iter(_augmenting_loader())] for _ in range(4)]
+
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    objects = ReplicatedObjects()
+    batches = Batches(_augmenting_loader())
+    objects.register("data", batches, "loop")
+    state = LocalState("r", model, optimizer, FlatLayout(list(model.parameters())), objects,
+                       None, UpdateLog(), lambda step: None)
+    state.start()
+    seen = []
+    for _ in range(4):
+        x = next(batches)
+        seen.append(x.item())
+        model(x).pow(2).mean().backward()
+        state.commit(state._layout.pack(), epoch=1)
+    assert seen == plain

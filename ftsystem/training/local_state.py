@@ -151,13 +151,16 @@ class LocalState:
         """Apply ``grad``, averaged over the members of ``epoch``, as the next step.
 
         ``carry_before``: the loop-advanced objects' states to run the step function with
-        (a joiner's join step takes the members'); None: the ones they hold now."""
+        (a joiner's join step takes the members'); None: the ones they hold now, which are
+        only recorded. Loading them back would restart what they run (a loader's workers,
+        whose RNG would start over and repeat the augmentation)."""
+        received = carry_before is not None
         with self._times.part("carry"):
-            if carry_before is None:
+            if not received:
                 carry_before = self.objects.carry()
         update = LoggedUpdate(grad, self._chain, chain_next(self._chain, self._step + 1, epoch),
                               carry_before=carry_before)
-        return self._advance(update, load_before=carry_before is not None)
+        return self._advance(update, load_before=received)
 
     def replay(self, logged: LoggedUpdate) -> None:
         """Apply a peer's logged update as the next step: this replica commits the same step
