@@ -226,3 +226,20 @@ def test_replicas_that_copied_each_other_never_hand_a_corruption_the_job(etcd, j
     # A halted replica writes no result; any that did never entered a repair epoch.
     results = _results(cfg)
     assert not any(e["reason"] == "resync" for r in results.values() for e in r["epochs"])
+
+
+@pytest.mark.timeout(300)
+def test_unfreezing_a_layer_mid_run_halts_the_job_once_with_what_to_do(etcd, job_id, tmp_path):
+    # Every replica's loop unfreezes the layer at one step; a restart would meet the same
+    # step again, so each replica halts there instead of being restarted into it.
+    cfg = RunConfig(num_replicas=2, num_steps=60, etcd=etcd.url, job=job_id, out_dir=tmp_path,
+                    train_args=["--freeze", "pos", "--unfreeze-at", "20", "--linger", "5"],
+                    show_progress=False)
+    summary = run_job(cfg)
+    assert not summary["agents_ok"]
+    halts = [e for e in _events(etcd.url, job_id, tmp_path) if e["kind"] == "halt"]
+    assert sorted(e["replica"] for e in halts) == ["r0", "r1"], halts
+    assert all(e["step"] == 20 and "requires_grad on every parameter before" in e["reason"]
+               for e in halts), halts
+    # One exit per replica: neither agent restarted its replica into the same step.
+    assert sorted(f["replica"] for f in summary["failures"]) == ["r0", "r1"], summary["failures"]

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--freeze", choices=("none", "pos"), default="none",
                    help="freeze the position embedding (a frozen layer: no gradient, never "
                         "moved by weight decay or momentum)")
+    p.add_argument("--unfreeze-at", type=int, default=None, metavar="STEP",
+                   help="with --freeze pos: unfreeze the position embedding at this step "
+                        "(gradual unfreezing, which FTReplica refuses: the job halts once)")
     p.add_argument("--passes", type=int, default=1,
                    help="the loader's data is this many times shorter than the job, so it "
                         "makes this many shuffled passes over it")
@@ -263,6 +266,8 @@ def train(ft: FTReplica, model: TinyGPT, batches: Iterator[torch.Tensor],
         else contextlib.nullcontext()
     model.train()
     while ft.step < args.steps:
+        if args.unfreeze_at is not None and ft.step == args.unfreeze_at:
+            model.pos.weight.requires_grad_(True)
         batch = next(batches).to(device)
         with autocast:
             step_loss = model.loss(batch)

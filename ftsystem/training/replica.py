@@ -62,7 +62,7 @@ from ftsystem.training.http_transport import HTTPTransport, StateServer
 from ftsystem.training.integrity import DivergenceError, Integrity
 from ftsystem.training.joiner import Joiner
 from ftsystem.training.local_state import LocalState
-from ftsystem.training.parameters import ParameterSet
+from ftsystem.training.parameters import ParameterSet, ParameterSetChanged
 from ftsystem.training.phase import Lifecycle, Phase
 from ftsystem.training.replica_group import ReplicaGroup, check_mesh
 from ftsystem.training.replicated import AdvancedBy, Batches, ReplicatedObjects, Stateful
@@ -430,7 +430,10 @@ class FTReplica:
         if not self.lifecycle.is_(Phase.MEMBER, Phase.JOIN_STEP):
             raise RuntimeError(f"commit() in phase {self.phase.value}: call start() first "
                                "(or use `with FTReplica(...)`), and no commit after finish()")
-        self.trainable.check_unchanged()
+        try:
+            self.trainable.check_unchanged()
+        except ParameterSetChanged as e:  # every replica's loop changes it at one step
+            self.integrity.halt(e)
         self.faults.check(self.step, "step")
         align_grads(self._params)  # tensor parallelism leaves partial sums: see align_grads
         buf = self.gradients.sum(self.step, self._enter_for_sum,
