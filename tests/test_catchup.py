@@ -335,6 +335,9 @@ def test_join_while_training(etcd, job_id, tmp_path, monkeypatch):
     # its first commit was the join step, taken with no gradient while the members committed
     # theirs (its loader took their states of that step: the invariant above holds)
     assert r1["commits"][0][0] == catchup["join_step"] > catchup["snapshot_step"]
+    # and every replica divided that step's sum by the two members that sent gradients
+    for r in load_results(tmp_path).values():
+        assert [catchup["join_step"], 2, 3] in r["partial_sums"], r["partial_sums"]
     # with the warm-up, it computed one step of its loop before catching up and
     # dropped it: the batch it drew and its dropout did not leave it off the members' state
     # (checked above); a join without it is the test of a log that cannot cover a transfer

@@ -182,13 +182,17 @@ def test_batch_norm_statistics_follow_a_replay_and_are_the_members_average():
     assert a[1][1].num_batches_tracked.item() == 5
 
 
-def test_a_former_joiner_no_longer_replays_its_donors_log():
-    # While it waits for its first epoch a joiner keeps up with its donor's log; once it is a
-    # member that log is nothing to it: it must not replay a donor's steps on its own.
+@pytest.mark.parametrize("takes_join_step", [False, True])
+def test_a_former_joiner_no_longer_replays_its_donors_log(takes_join_step):
+    # While it waits for its first epoch a joiner keeps up with its donor's log; once an
+    # entry lets it in, that log is nothing to it, also while it waits to take its join step
+    # again: it must not replay a donor's steps on its own.
     from types import SimpleNamespace
     from unittest.mock import create_autospec
 
     from ftsystem.training.joiner import Joiner
+    from ftsystem.training.phase import Lifecycle, Phase
+    from ftsystem.training.replica import FTReplica
     from ftsystem.training.settings import ReplicaSettings
     from ftsystem.training.transport import StateTransport
 
@@ -197,9 +201,12 @@ def test_a_former_joiner_no_longer_replays_its_donors_log():
     joiner = Joiner(ctx, control=None, replica=None, state=None, transport=transport,
                     settings=ReplicaSettings())
     joiner._donor_addr = "127.0.0.1:1"  # what catch_up() leaves behind
-    joiner.joined()
+    lifecycle = Lifecycle("r1")
+    lifecycle.move(Phase.JOINING)
+    replica = SimpleNamespace(lifecycle=lifecycle, joiner=joiner, _entered=None)
+    FTReplica._after_entry(replica, SimpleNamespace(takes_join_step=takes_join_step))
+    assert lifecycle.is_(Phase.JOIN_STEP if takes_join_step else Phase.MEMBER)
     joiner.keep_up()  # would fetch the donor's log (and fail: there is no donor, no state)
-    assert joiner._donor_addr is None
     transport.fetch_log.assert_not_called()
 
 

@@ -141,6 +141,9 @@ class FTReplica:
         self.started = time.time()
         self.commits: list[tuple[int, float]] = []
         """(step, wall time) of every commit of this process, for stall reports."""
+        self.partial_sums: list[tuple[int, int, int]] = []
+        """(step, members that sent gradients, members) of each step whose average left some
+        members out (a join step's joiners send zeros): at most one per epoch."""
         self.heartbeat = Heartbeat(self.ctx.heartbeat_path)
         self.control = ControlPlane(self.ctx)
         # Closed by default: no token (and no --insecure) stops the rank before it serves.
@@ -446,6 +449,8 @@ class FTReplica:
         divisor = entered.plan.divisor if first_of_epoch else self.ftar.world_size
         with self.commit_times.part("divide"):
             buf /= divisor  # those who sent gradients
+        if divisor != self.ftar.world_size:
+            self.partial_sums.append((self.step + 1, divisor, self.ftar.world_size))
         join_step = self.lifecycle.is_(Phase.JOIN_STEP)
         if join_step and not first_of_epoch:
             raise RuntimeError("a join step summed outside the epoch that accepted it: a bug")
