@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ftsystem.training.entry_plan import (NO_LOG, MemberRow, copy_inherits_lineage, forked,
                                           join_step_absentees, plan_entry, sync_by_log)
-from ftsystem.training.fingerprint import judge
+from ftsystem.training.fingerprint import describe_split, judge
 
 CHAINS = [bytes([i]) * 16 for i in range(3)]
 
@@ -182,3 +182,12 @@ def test_a_copy_joins_its_donors_lineage_except_at_the_start_and_from_a_verified
     assert not copy_inherits_lineage(MemberRow(step=0, chain=CHAINS[0], fresh=True))
     # a repair receives the state the comparison just found right
     assert not copy_inherits_lineage(MemberRow(step=60, chain=CHAINS[1], verified=True))
+
+
+def test_a_split_says_who_holds_which_state_and_how_many_votes():
+    a, b = b"a" * 16, b"b" * 16
+    assert describe_split([a, a, b], [7, 7, 9], ["r0", "r1", "r2"]) == (
+        "r0, r1 hold one state (1 vote: they copied it from one another); r2 holds another "
+        "(1 vote)")
+    assert describe_split([a, b, a], [1, 2, 3], ["r0", "r1", "r2"]) == (
+        "r0, r2 hold one state (2 votes); r1 holds another (1 vote)")

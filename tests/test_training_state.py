@@ -221,7 +221,8 @@ def test_replicas_that_copied_each_other_never_hand_a_corruption_the_job(etcd, j
     run_job(cfg)
     events = _events(etcd.url, job_id, tmp_path)
     halts = [e for e in events if e["kind"] == "halt"]
-    assert halts and all("no majority" in e["reason"] for e in halts), events
+    assert halts and all("no majority" in e["reason"] and "copied it from one another"
+                         in e["reason"] for e in halts), events
     assert all(e["step"] == 40 for e in events if e["kind"] == "divergence"), events
     # A halted replica writes no result; any that did never entered a repair epoch.
     results = _results(cfg)

@@ -120,6 +120,20 @@ def lineage_votes(values: list, lineages: list[int]) -> Counter:
     return Counter(value for value, _ in dict.fromkeys(zip(values, lineages)))
 
 
+def describe_split(digests: list[bytes], lineages: list[int], names: list[str]) -> str:
+    """Who holds which state and with how many votes, for a message a person reads:
+    ``"r0, r1 hold one state (1 vote: they copied it from one another); r2 another (1 vote)"``."""
+    votes = lineage_votes(digests, lineages)
+    parts = []
+    for n, digest in enumerate(dict.fromkeys(digests)):
+        holders = [name for name, d in zip(names, digests) if d == digest]
+        why = ": they copied it from one another" if votes[digest] < len(holders) else ""
+        parts.append(f"{', '.join(holders)} hold{'s' if len(holders) == 1 else ''} "
+                     f"{'one state' if n == 0 else 'another'} ({votes[digest]} "
+                     f"vote{'' if votes[digest] == 1 else 's'}{why})")
+    return "; ".join(parts)
+
+
 def judge(digests: list[bytes], lineages: list[int] | None = None) -> Judgement:
     """Who differs from whom: a digest with more than half of the votes
     (:func:`lineage_votes`) is the truth, every member holding another is divergent. With no

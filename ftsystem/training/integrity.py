@@ -22,7 +22,7 @@ import torch
 
 from ftsystem.control import keys
 from ftsystem.measure import metrics
-from ftsystem.training.fingerprint import WORDS, from_words, judge, to_words
+from ftsystem.training.fingerprint import WORDS, describe_split, from_words, judge, to_words
 from ftsystem.training.ftar import CollectiveFailed, EpochChanged, FaultTolerantAllReduce
 from ftsystem.training.local_state import LocalState
 from ftsystem.training.replica_group import ReplicaGroup
@@ -77,13 +77,14 @@ class Integrity:
         n, rank = self.ftar.world_size, self.ftar.rank
         if n == 1:
             return False
-        started, verdict = time.monotonic(), None
+        started, verdict, split = time.monotonic(), None, None
         words = torch.zeros(n, WORDS + 1, dtype=torch.int64, device=self._device)
         words[rank] = torch.tensor([*to_words(self.state.digest()), self.state.lineage])
         try:
             self.ftar.allreduce_sum(words)
             rows = words.tolist()
-            verdict = judge([from_words(w[:WORDS]) for w in rows], [w[WORDS] for w in rows])
+            digests, lineages = [from_words(w[:WORDS]) for w in rows], [w[WORDS] for w in rows]
+            verdict = judge(digests, lineages)
         except (EpochChanged, CollectiveFailed) as e:
             log.info("replica %s step %d: state digests not compared (%s)",
                      self.ctx.replica_id, self.state.step, e)
@@ -93,8 +94,9 @@ class Integrity:
         metrics.FINGERPRINT_DURATION.labels(*self._labels).observe(time.monotonic() - started)
         members = self.ftar.epoch.members
         if verdict is not None and not verdict.agreed:
-            log.error("replica %s step %d: state digests differ; diverged: %s, majority: %s",
-                      self.ctx.replica_id, self.state.step,
+            split = describe_split(digests, lineages, list(members))
+            log.error("replica %s step %d: state digests differ (%s); diverged: %s, majority: %s",
+                      self.ctx.replica_id, self.state.step, split,
                       [members[i] for i in verdict.divergent],
                       [members[i] for i in verdict.majority] or "none")
         if unrepairable:
@@ -102,8 +104,9 @@ class Integrity:
                                                     if m != self.ctx.replica_id])
             self.halt(DivergenceError(
                 f"step {self.state.step}: the state digests of {', '.join(members)} differ "
-                "and no majority agrees on one: nobody can tell which state is right, so the "
-                "job stops. Restart it from the last disk checkpoint; see docs/divergence.md"))
+                f"({split or 'on another rank of this replica'}) and no majority agrees on "
+                "one: nobody can tell which state is right, so the job stops. Restart it from "
+                "the last disk checkpoint; see docs/divergence.md"))
         if diverged:
             self.report_divergence("state-digest", [members[i] for i in verdict.majority]
                                    if verdict is not None else [])
