@@ -26,7 +26,10 @@ from ftsystem.control import jobs, keys
 from ftsystem.measure import metrics
 from ftsystem.chaos.spec import ChaosSpecError, read_orders, spec_from_mapping, submit
 from ftsystem.control.membership import ReplicaState
+from ftsystem.control.records import decoder, objects_under, time_of, well_formed
 from ftsystem.control.store import HeldKey, Store, StoreError
+
+_event = decoder("event", models.Event)
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 1.0
@@ -225,10 +228,10 @@ def create_app(store: Store, cfg: LeaderConfig, *, insecure: bool = False,
         _check_job(cfg.job, job)
         divergences, _ = await store.get_prefix(keys.divergences(job))
         halted, _ = await store.get_prefix(keys.halts(job))
-        events = [json.loads(v) for v in divergences.values()]
-        events += [{"kind": "halt", "replica": keys.last_segment(k), **json.loads(v)}
-                   for k, v in halted.items()]
-        return {"events": sorted(events, key=lambda e: e.get("time", 0))}
+        events = [e.model_dump() for e in well_formed(divergences, _event).values()]
+        events += [{**e.model_dump(), "kind": "halt", "replica": keys.last_segment(k)}
+                   for k, e in well_formed(halted, _event).items()]
+        return {"events": sorted(events, key=lambda e: time_of(e))}
 
     @api.get("/v1/sd/prometheus", response_model=list[models.TargetGroup])
     async def prometheus_service_discovery() -> list[dict]:
@@ -333,14 +336,13 @@ def discovery_targets(job: str, items: dict[str, bytes]) -> list[dict]:
     groups = []
 
     def add(addr: Any, component: str, instance_id: str, **labels: str | None) -> None:
-        if addr:
+        if addr and isinstance(addr, str):  # a record's field: anything may be written there
             groups.append({"targets": [addr], "labels": {
                 "job": job, "component": component, "instance_id": instance_id,
-                **{k: v for k, v in labels.items() if v}}})
+                **{k: v for k, v in labels.items() if v and isinstance(v, str)}}})
 
     def under(prefix: str) -> list[tuple[str, dict]]:
-        return [(k[len(prefix):], json.loads(v)) for k, v in sorted(items.items())
-                if k.startswith(prefix)]
+        return sorted(objects_under(items, prefix).items())
 
     for name, record in under(keys.controllers(job)):
         add(record.get("addr"), "controller", name)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ftsystem.control import keys
 from ftsystem.control.jobs import JobSpec, JobSpecError, parse_spec
+from ftsystem.control.records import RecordError, report_malformed, well_formed
 
 from ftsystem.measure import metrics
 from ftsystem.measure.ettr import LiveEttr
@@ -131,6 +132,29 @@ def spec_or_none(job: str, raw: bytes | None) -> JobSpec | None:
         log.error("job %s: the stored spec is unusable (%s): fix it (ftsystem job delete, then "
                   "create)", job, e)
         return None
+
+
+async def read_epoch(store: Store, job: str) -> Epoch | None:
+    """The published epoch. A malformed one cannot be built on (the next epoch's number must
+    exceed it): the leader says so and waits until the record is fixed or deleted."""
+    key = keys.epoch(job)
+    said = False
+    while True:
+        items, revision = await store.get_prefix(key)
+        if key not in items:
+            return None
+        try:
+            return Epoch.from_json(items[key])
+        except RecordError as e:
+            if not said:
+                report_malformed(key, e)
+                log.error("job %s: the epoch record %s is malformed, so no next epoch can be "
+                          "numbered after it and the job cannot reconfigure: restart the job "
+                          "from its last checkpoint (ftsystem job delete, then create)",
+                          job, key)
+                said = True
+        async for _ in store.watch_prefix(key, start_revision=revision + 1):
+            break  # it changed: read it again
 
 
 async def wait_for_spec(store: Store, job: str) -> tuple[JobSpec, int]:
@@ -247,11 +271,10 @@ class MembershipLoop:
         spec, spec_revision = await wait_for_spec(self.store, self.cfg.job)
         self.policy, self.rule = spec.policy, lapse_rule(self.cfg, spec)
         self.started = time.monotonic()  # the start timeout runs from the spec's arrival
-        raw = await self.store.get(keys.epoch(self.cfg.job))
-        self.epoch = Epoch.from_json(raw) if raw else None
+        self.epoch = await read_epoch(self.store, self.cfg.job)
         items, revision = await self.store.get_prefix(keys.replicas(self.cfg.job))
-        self.registrations = {keys.last_segment(k): Registration.from_json(v)
-                              for k, v in items.items()}
+        self.registrations = {keys.last_segment(k): reg for k, reg in
+                              well_formed(items, Registration.from_json).items()}
         if self.epoch is not None:
             # A takeover may follow an outage that also took the previous leader's lease
             # (perhaps this instance's): members missing now, or whose lapsed leases etcd is
@@ -310,7 +333,13 @@ class MembershipLoop:
             if self.epoch is not None and rid in self.epoch.members:
                 self.vanished[rid] = time.monotonic()
         else:
-            reg = self.registrations[rid] = Registration.from_json(event.value)
+            try:
+                reg = Registration.from_json(event.value)
+            except RecordError as e:  # as good as no registration: it says nothing usable
+                report_malformed(event.key, e)
+                self.registrations.pop(rid, None)
+                return
+            self.registrations[rid] = reg
             self.vanished.pop(rid, None)
             if self.evicted.get(rid, reg.generation) != reg.generation:
                 del self.evicted[rid]  # a new generation is judged afresh

@@ -20,7 +20,7 @@ and chaos orders are capped, newest first.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from html import escape
 from string import Template
@@ -37,6 +37,8 @@ from controller.views import (NUM_FAILURES_SHOWN, NUM_RATE_POINTS, Progress, bui
                               recent_failures)
 from ftsystem.chaos.spec import Order, read_orders
 from ftsystem.control import keys
+from ftsystem.control.membership import Registration
+from ftsystem.control.records import object_or_none, well_formed_under
 from ftsystem.control.store import Store
 
 NUM_JOINERS_SHOWN = 50
@@ -263,14 +265,15 @@ def catching_up(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
     (``catchup/<rid>``: absent while none is assigned, empty when there is none to give and
     it joins with a full state sync), that donor's step, and how far the joiner is (its step
     as it replays, what it received: the joiner reports them at most every half second)."""
-    registrations = {k[len(keys.replicas(job)):]: json.loads(v) for k, v in items.items()
-                     if k.startswith(keys.replicas(job))}
+    registrations = {rid: dataclasses.asdict(reg) for rid, reg in well_formed_under(
+        items, keys.replicas(job), Registration.from_json).items()}
     joiners = []
     for rid, reg in sorted(registrations.items()):
         if reg.get("state") != "catching_up":
             continue
-        raw = items.get(keys.catchups(job) + rid)
-        donor = json.loads(raw).get("donor") if raw else None
+        assigned = object_or_none(items, keys.catchups(job) + rid)
+        donor = assigned.get("donor") if assigned else None
+        donor = donor if isinstance(donor, str) else None
         donor_step = registrations.get(donor, {}).get("step") if donor else None
         joiners.append({"replica": rid, "step": reg.get("step"), "donor": donor,
                         "donor_step": donor_step, "received": reg.get("catchup") or {}})

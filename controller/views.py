@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from controller import models
 from controller.leader import EpochMark, LiveTerm
 from ftsystem.control import keys
+from ftsystem.control.membership import Epoch, Registration
+from ftsystem.control.records import decoder, object_or_none, well_formed, well_formed_under
 
 INTERNAL_EPOCH_FIELDS = ("store_addr",)
 """Left out of the public view: the rendezvous store's address. (The state servers' addresses
@@ -60,49 +62,74 @@ class Progress:
                 "epochs": [dataclasses.asdict(mark) for mark in self.epochs]}
 
 
-def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
-    """The job as its users see it: spec, epoch, and every replica an agent supervises."""
-    def under(prefix: str) -> dict[str, Any]:
-        return {k[len(prefix):]: json.loads(v) for k, v in items.items() if k.startswith(prefix)}
+@dataclass(frozen=True, slots=True)
+class AgentRecord:
+    """What the view reads of an agent's record (``agents/<rid>/<node>``)."""
 
-    registrations = under(keys.replicas(job))
-    agents: dict[str, Any] = {}  # per replica, the record of its lowest node rank
-    for path, record in sorted(under(keys.agents(job)).items(), reverse=True):
+    host: str = ""
+    generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRecord:
+    """What the view reads of a failure record (``failures/<rid>/<generation>``)."""
+
+    time: float = 0.0
+    step: int | None = None
+    reason: str | None = None
+
+
+_agent_record = decoder("agent record", AgentRecord)
+_failure_record = decoder("failure record", FailureRecord)
+_spec_record = decoder("job spec", models.JobSpec)
+
+
+def _one(items: dict[str, bytes], key: str, decode: Any) -> Any:
+    return well_formed({key: items[key]}, decode).get(key) if key in items else None
+
+
+def build_job_view(job: str, items: dict[str, bytes]) -> dict[str, Any]:
+    """The job as its users see it: spec, epoch, and every replica an agent supervises.
+    A malformed record is left out (and reported: ``ftsystem.control.records``)."""
+    registrations = well_formed_under(items, keys.replicas(job), Registration.from_json)
+    agents: dict[str, AgentRecord] = {}  # per replica, the record of its lowest node rank
+    for path, record in sorted(well_formed_under(items, keys.agents(job), _agent_record).items(),
+                               reverse=True):
         agents[path.split("/", 1)[0]] = record
     restarts: dict[str, int] = {}
-    for path in under(keys.failures(job)):
+    for path in well_formed_under(items, keys.failures(job), _failure_record):
         rid = path.split("/", 1)[0]
         restarts[rid] = restarts.get(rid, 0) + 1
-    epoch = json.loads(items.get(keys.epoch(job), b"null"))
-    if epoch:  # where the replicas meet is theirs to know, not the API's readers'
-        epoch = {k: v for k, v in epoch.items() if k not in INTERNAL_EPOCH_FIELDS}
+    epoch = _one(items, keys.epoch(job), Epoch.from_json)
     leader = items.get(keys.leader(job))
+    spec = _one(items, keys.spec(job), _spec_record)
     replicas = []
     for rid in sorted(set(registrations) | set(agents)):
-        reg = registrations.get(rid, {})
+        reg, agent = registrations.get(rid), agents.get(rid, AgentRecord())
         replicas.append({
             "id": rid,
-            "state": reg.get("state", "restarting"),  # an agent without a live replica
-            "step": reg.get("step"),
-            "generation": reg.get("generation", agents.get(rid, {}).get("generation")),
+            "state": reg.state.value if reg else "restarting",  # an agent, no live replica
+            "step": reg.step if reg else None,
+            "generation": reg.generation if reg else agent.generation,
             "restarts": restarts.get(rid, 0),
-            "host": reg.get("host") or agents.get(rid, {}).get("host"),
+            "host": (reg.host if reg else "") or agent.host or None,
         })
-    return {"job": job, "spec": json.loads(items.get(keys.spec(job), b"null")),
-            "leader": leader.decode() if leader else None,
-            "epoch": epoch or {"number": 0, "members": []},
+    # Where the replicas meet is theirs to know, not the API's readers'.
+    public_epoch = {f.name: getattr(epoch, f.name) for f in dataclasses.fields(Epoch)
+                    if f.name not in INTERNAL_EPOCH_FIELDS} if epoch else None
+    return {"job": job, "spec": spec.model_dump(exclude_unset=True) if spec else None,
+            "leader": leader.decode(errors="replace") if leader else None,
+            "epoch": public_epoch or {"number": 0, "members": []},
             "replicas": replicas}
 
 
 def recent_failures(job: str, items: dict[str, bytes]) -> list[dict[str, Any]]:
     """The job's failure records, newest first, each with its replica and generation."""
-    prefix = keys.failures(job)
     failures = []
-    for key, value in items.items():
-        if key.startswith(prefix):
-            rid, _, generation = key[len(prefix):].partition("/")
-            failures.append({"time": 0.0, **json.loads(value), "replica": rid,
-                             "generation": int(generation) if generation.isdigit() else None})
+    for path, record in well_formed_under(items, keys.failures(job), _failure_record).items():
+        rid, _, generation = path.partition("/")
+        failures.append({**dataclasses.asdict(record), "replica": rid,
+                         "generation": int(generation) if generation.isdigit() else None})
     return sorted(failures, key=lambda f: f["time"], reverse=True)
 
 
@@ -112,8 +139,10 @@ def build_status(job: str, items: dict[str, bytes], *, now: float, progress: Pro
     leading term's measure (None on a standby) and where the leader serves."""
     view = build_job_view(job, items)
     failures = recent_failures(job, items)
-    record = items.get(keys.controllers(job) + view["leader"]) if view["leader"] else None
+    record = object_or_none(items, keys.controllers(job) + view["leader"]) \
+        if view["leader"] else None
     return {**view, "time": now, "failures": failures[:num_failures],
             "num_failures": len(failures),
             "progress": progress.to_json() if progress is not None else None,
-            "leader_address": json.loads(record).get("addr") if record else None}
+            "leader_address": record.get("addr") if record and isinstance(record.get("addr"), str)
+            else None}

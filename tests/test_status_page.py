@@ -35,6 +35,8 @@ DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "status_page.pn
 
 
 def _put(items: dict, key: str, value: dict) -> None:
+    if "/replicas/" in key:  # a registration has its replica's id and generation
+        value = {"replica_id": keys.last_segment(key), "generation": 0, **value}
     items[key] = json.dumps(value).encode()
 
 
@@ -47,10 +49,12 @@ def test_every_value_is_escaped():
     job, evil = "demo", '<img src=x onerror="alert(1)">'
     items: dict[str, bytes] = {}
     _put(items, keys.epoch(job), {"number": 2, "members": [evil], "reason": evil})
+    # Well-formed records (a malformed one is not shown at all) with markup wherever a string is.
     _put(items, keys.replicas(job) + evil,
-         {"state": evil, "step": evil, "generation": 0, "host": evil})
-    _put(items, keys.failures(job) + evil + "/000001", {"time": 1.0, "reason": evil, "step": evil})
-    _put(items, keys.replicas(job) + "j" + evil, {"state": "catching_up", "step": evil})
+         {"replica_id": evil, "state": "member", "step": 3, "generation": 0, "host": evil})
+    _put(items, keys.failures(job) + evil + "/000001", {"time": 1.0, "reason": evil, "step": 2})
+    _put(items, keys.replicas(job) + "j" + evil,
+         {"replica_id": "j" + evil, "state": "catching_up", "step": 1, "generation": 0})
     _put(items, keys.catchups(job) + "j" + evil, {"donor": evil, "state_addr": evil})
     items[keys.chaos(job, "o")] = _order(evil, at=1.0).to_json().encode()
     items[keys.leader(job)] = evil.encode()

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Collection, Mapping
 
+from ftsystem.control.records import decoder
+
 
 class ReplicaState(StrEnum):
     STARTING = "starting"        # the agent launched it; not yet able to train
@@ -62,10 +64,8 @@ class Registration:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "Registration":
-        raw = json.loads(data)
-        raw["state"] = ReplicaState(raw["state"])
-        raw["late"] = tuple(raw.get("late", ()))
-        return cls(**raw)
+        """Raises :class:`~ftsystem.control.records.RecordError` for a malformed record."""
+        return _decode_registration(data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,9 +91,8 @@ class Epoch:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "Epoch":
-        raw = json.loads(data)
-        raw["members"] = tuple(raw["members"])
-        return cls(**raw)
+        """Raises :class:`~ftsystem.control.records.RecordError` for a malformed record."""
+        return _decode_epoch(data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -316,3 +315,7 @@ def _make_epoch(number: int, members: list[str], alive: Mapping[str, Registratio
                  store_addr=alive[registered[0]].store_addr if registered
                  else previous.store_addr if previous else "",
                  paused=len(members) < policy.min_replicas, reason=reason, time=now)
+
+
+_decode_registration = decoder("registration", Registration)
+_decode_epoch = decoder("epoch", Epoch)

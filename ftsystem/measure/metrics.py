@@ -54,6 +54,10 @@ ETTR = Gauge("ftsystem_ettr_ratio", "Effective training time ratio (0 to 1) sinc
 REPLICA_STEP = Gauge("ftsystem_replica_step", "The last step each replica reported to etcd "
                      "(progress is rate-limited: a few seconds behind)", ["job", "replica"])
 IS_LEADER = Gauge("ftsystem_controller_is_leader", "1 on the leading controller", ["job"])
+MALFORMED_RECORDS = Counter("ftsystem_malformed_records_total",
+                            "etcd records skipped because they are not what their writer writes "
+                            "(the key is in the reader's log), by job and kind of key",
+                            ["job", "kind"])
 
 # --- agent ---
 FAILURES_INJECTED = Counter("ftsystem_failures_injected_total",

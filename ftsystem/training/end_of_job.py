@@ -3,10 +3,9 @@ state (``FTReplica.finish``)."""
 
 from __future__ import annotations
 
-import json
-
 from ftsystem.control import keys
 from ftsystem.control.membership import Epoch, Registration, ReplicaState
+from ftsystem.control.records import objects_under, well_formed_under
 
 NOT_RESTARTED = ("", "stopped")
 """How a generation ends when its agents do not start another: it still runs (or finished), or
@@ -14,8 +13,7 @@ its agents were told to stop."""
 
 
 def registrations_of(job: str, items: dict[str, bytes]) -> dict[str, Registration]:
-    return {keys.last_segment(k): Registration.from_json(v) for k, v in items.items()
-            if k.startswith(keys.replicas(job))}
+    return well_formed_under(items, keys.replicas(job), Registration.from_json)
 
 
 def replicas_to_serve(job: str, items: dict[str, bytes]) -> set[str]:
@@ -31,9 +29,8 @@ def replicas_to_serve(job: str, items: dict[str, bytes]) -> set[str]:
     registrations = registrations_of(job, items)
     with_agent = {keys.agent_replica(job, k) for k in items if k.startswith(keys.agents(job))}
     halted = {keys.last_segment(k) for k in items if k.startswith(keys.halts(job))}
-    restarting = {keys.last_segment(k) for k, v in items.items()
-                  if k.startswith(keys.generations(job))
-                  and json.loads(v).get("ended", "") not in NOT_RESTARTED}
+    restarting = {rid for rid, record in objects_under(items, keys.generations(job)).items()
+                  if record.get("ended", "") not in NOT_RESTARTED}
     return {rid for rid in with_agent | (restarting - halted)
             if rid not in registrations or registrations[rid].state != ReplicaState.DONE}
 

@@ -29,6 +29,7 @@ from ftsystem.control import keys
 
 from ftsystem.measure import metrics
 from ftsystem.control.membership import Epoch, Registration, ReplicaState
+from ftsystem.control.records import RecordError, report_malformed
 from ftsystem.control.store import Store, StoreError
 
 T = TypeVar("T")
@@ -225,14 +226,20 @@ class ControlPlane:
         # on it (catch up, or join a starting job).
         items, revision = self._bg.run(self._store.get_prefix(keys.epoch(ctx.job)))
         if keys.epoch(ctx.job) in items:
-            self._set_epoch(Epoch.from_json(items[keys.epoch(ctx.job)]))
+            self._set_epoch_record(keys.epoch(ctx.job), items[keys.epoch(ctx.job)])
         self._watcher = self._bg.submit(self._follow_epochs(revision + 1))
 
     async def _follow_epochs(self, start_revision: int) -> None:
         key = keys.epoch(self.ctx.job)
         async for event in self._store.watch_prefix(key, start_revision=start_revision):
             if event.key == key and event.kind == "PUT":
-                self._set_epoch(Epoch.from_json(event.value))
+                self._set_epoch_record(key, event.value)
+
+    def _set_epoch_record(self, key: str, raw: bytes) -> None:
+        try:
+            self._set_epoch(Epoch.from_json(raw))
+        except RecordError as e:  # not the leader's: the replica waits for one that is
+            report_malformed(key, e)
 
     def _set_epoch(self, epoch: Epoch) -> None:
         with self._changed:
