@@ -59,11 +59,6 @@ class StepInputs:
         self._scratch: torch.Tensor | None = None
         self._version = 0
 
-    @property
-    def copies(self) -> bool:
-        """Whether the steps run on a copy of the average from here on."""
-        return self._mode == "copy"
-
     def before_step(self, average: torch.Tensor) -> torch.Tensor:
         """What to make the gradients of: ``average``, or a copy of it."""
         if self._mode == "trusted":
