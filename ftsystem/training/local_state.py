@@ -71,7 +71,8 @@ class StepInputs:
         if self._mode == "probe":
             written = not torch.equal(self._scratch.view(torch.uint8),
                                       average.view(torch.uint8))
-            self._mode = "copy" if written else "trusted"
+            # (an inference tensor keeps no version counter to watch)
+            self._mode = "copy" if written or average.is_inference() else "trusted"
             if not written:
                 self._scratch = None  # the copy is not needed again
             return True
