@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from ftsystem.control.etcd_server import free_port
-from ftsystem.training.flat import FlatLayout, release_grads
+from ftsystem.training.flat import FlatLayout, forward_buffers, release_grads
 from ftsystem.training.shards import load_local_state, local_state
 from ftsystem.training.wire import tree_tensors
 from ftsystem.example.workload import MarkovLanguage, ModelConfig, TinyGPT
@@ -261,3 +261,53 @@ def _fsdp2_rank(rank: int, world: int, port: int) -> None:
 
 def test_an_fsdp2_replica_reads_and_loads_its_shards_after_a_forward_without_backward():
     mp.spawn(_fsdp2_rank, args=(2, free_port()), nprocs=2)
+
+
+def _batch_norm_member(dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)).to(dtype)
+    return model, FlatLayout(list(model.parameters()), forward_buffers(model))
+
+
+def test_a_member_with_no_gradient_at_all_sends_its_statistics_not_zeros():
+    # A member that skipped its batch's backward commits with no gradient at all: its running
+    # statistics are what it holds, and the average must not be pulled toward zero.
+    (model, layout), (idle, idle_layout) = _batch_norm_member(), _batch_norm_member()
+    for member in (model, idle):
+        member[1].num_batches_tracked.fill_(40)
+        member[1].running_mean.fill_(1.0)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    expected_mean = (model[1].running_mean + idle[1].running_mean) / 2
+    summed = layout.pack() + idle_layout.pack()
+    release_grads(list(model.parameters()))
+    layout.unpack(summed / 2)
+    assert torch.equal(model[1].running_mean, expected_mean)
+    assert model[1].num_batches_tracked.item() == 40  # (41 + 40) / 2, not (41 + 0) / 2
+
+
+def test_a_joiner_join_step_sends_zeros_for_the_statistics_too():
+    # The join step's sum is divided by the members that sent gradients: the joiner's
+    # statistics must not count.
+    (model, layout), (joiner, joiner_layout) = _batch_norm_member(), _batch_norm_member()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    expected = [b.clone() for b in forward_buffers(model)]
+    summed = layout.pack() + joiner_layout.pack(statistics=False)
+    release_grads(list(model.parameters()))
+    joiner_layout.unpack(summed)
+    assert all(torch.equal(e, b) for e, b in zip(expected, forward_buffers(joiner)))
+
+
+def test_statistics_and_counters_of_a_bf16_model_travel_without_rounding():
+    # bf16 holds integers exactly only up to 256: 300 + 1 would stay 300 in a bf16 buffer.
+    members = [_batch_norm_member(torch.bfloat16) for _ in range(2)]
+    for model, _ in members:
+        model[1].num_batches_tracked.fill_(300)
+        model(torch.randn(8, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    (model, layout), (other, other_layout) = members
+    expected = ((model[1].running_var.float() + other[1].running_var.float()) / 2) \
+        .to(torch.bfloat16)
+    summed = layout.pack() + other_layout.pack()
+    layout.unpack(summed / 2)
+    assert model[1].num_batches_tracked.item() == 301
+    assert torch.equal(model[1].running_var, expected)
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())

@@ -6,11 +6,17 @@
    member used keeps no gradient, as under DDP, so weight decay and momentum leave it alone;
 3. the buffers the forward updates (batch-norm running statistics and their counters): they
    are averaged with the gradients, so every member holds the same statistics, and the update
-   log carries them, so a replay or a join step (which run no forward) sets them too.
+   log carries them, so a replay or a join step (which run no forward) sets them too. Every
+   member sends the statistics it holds, with a gradient or without one (a member that
+   skipped its batch's backward); only a joiner's join step, which the sum is not divided
+   by, sends zeros.
 
-The buffer's dtype is the widest of the parameters' (bf16 weights beside fp32 ones are summed
-in fp32, each gradient then cast back to its own dtype). The update log keeps the averaged
-buffer of each step: :meth:`FlatLayout.unpack` of it reproduces the step's inputs bit for bit.
+The buffer's dtype is the widest of the parameters' and the statistics' (bf16 weights beside
+fp32 ones are summed in fp32, each gradient then cast back to its own dtype; fp32 statistics
+beside bf16 weights make it fp32), and at least fp32 where there are integer counters: bf16
+holds integers exactly only up to 256, fp32 up to 2**24, a bound on the members' summed
+counts (16 members to a million batches each). The update log keeps the averaged buffer of
+each step: :meth:`FlatLayout.unpack` of it reproduces the step's inputs bit for bit.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ class FlatLayout:
         self.params, self.buffers = list(params), [local(b) for b in buffers]
         self.grad_numel = local_numel(self.params)
         self.numel = self.grad_numel + len(self.params) + sum(b.numel() for b in self.buffers)
-        self.dtype = functools.reduce(torch.promote_types, (local(p).dtype for p in params))
+        self.dtype = functools.reduce(torch.promote_types, [
+            *(local(p).dtype for p in params), *(_carried_as(b) for b in self.buffers)])
         self.device = local(self.params[0]).device
 
     @property
@@ -50,25 +57,34 @@ class FlatLayout:
     def empty(self) -> torch.Tensor:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
-    def pack(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def pack(self, out: torch.Tensor | None = None, statistics: bool = True) -> torch.Tensor:
         """This rank's gradients, their counts and the forward's buffers, in ``out`` (or a
-        new buffer). With no gradient at all (a joiner's join step): zeros, in one pass."""
+        new buffer). ``statistics``: False for a joiner's join step, which sends zeros for
+        everything (in one pass)."""
         out = self.empty() if out is None else out
-        if all(p.grad is None for p in self.params):
+        used = [p.grad is not None for p in self.params]
+        if not any(used) and not (statistics and self.buffers):
             return out.zero_()
-        grads = [(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
-                 for p in self.params]
-        torch.cat(grads, out=out[:self.grad_numel])
-        self.pack_tail(out, [p.grad is not None for p in self.params])
+        if any(used):
+            grads = [(local(p.grad) if p.grad is not None else torch.zeros_like(local(p)))
+                     .reshape(-1) for p in self.params]
+            torch.cat(grads, out=out[:self.grad_numel])
+        else:
+            out[:self.grad_numel].zero_()
+        self.pack_tail(out, used, statistics)
         return out
 
-    def pack_tail(self, out: torch.Tensor, used: list[bool]) -> torch.Tensor:
-        """Write the counts and the buffers behind the gradients; returns that tail."""
+    def pack_tail(self, out: torch.Tensor, used: list[bool], statistics: bool = True
+                  ) -> torch.Tensor:
+        """Write the counts and the buffers (zeros without ``statistics``) behind the
+        gradients; returns that tail."""
         tail = out[self.grad_numel:]
         counts, rest = tail[:len(used)], tail[len(used):]
         counts.copy_(torch.tensor(used, dtype=out.dtype))
-        if self.buffers:
+        if self.buffers and statistics:
             torch.cat([b.reshape(-1).to(out.dtype) for b in self.buffers], out=rest)
+        elif self.buffers:
+            rest.zero_()
         return tail
 
     def unpack(self, flat: torch.Tensor) -> None:
@@ -93,6 +109,11 @@ class FlatLayout:
                 for buffer, value in zip(self.buffers, averaged.split(
                         [b.numel() for b in self.buffers])):
                     buffer.copy_(value.view_as(buffer))  # an integer counter is truncated
+
+
+def _carried_as(buffer: torch.Tensor) -> torch.dtype:
+    """The dtype a buffer's sum must have at least to hold it exactly (see the module's doc)."""
+    return buffer.dtype if buffer.is_floating_point() else torch.float32
 
 
 def release_grads(params: list[nn.Parameter]) -> None:

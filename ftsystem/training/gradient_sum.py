@@ -105,7 +105,7 @@ class GradientSum:
 
         ``enter_newer(at_least)`` enters a newer epoch and says whether the gradients still
         belong to the step being committed; ``join_step()``: whether this sum is a join step
-        (for fault injection)."""
+        (its zeros include the statistics; and for fault injection)."""
         overlapped, self._armed = self._armed, False
         while True:
             newest = self.replica.max(self.control.epoch.number)
@@ -119,7 +119,8 @@ class GradientSum:
             try:
                 with self.ftar.arrival(step, self._stragglers.bound_s(self._step_times),
                                        self._stragglers.silence_s):
-                    buf = self._sum_overlapped(step) if overlapped else self._sum_flat(step)
+                    buf = self._sum_overlapped(step) if overlapped \
+                        else self._sum_flat(step, joining=join_step())
                 self.faults.check(step, "fail-allreduce")
                 if join_step():
                     self.faults.check(step, "fail-join-step")
@@ -144,12 +145,14 @@ class GradientSum:
                 return buf
             self.after_failed_vote(verdict, error, step)
 
-    def _sum_flat(self, step: int) -> torch.Tensor:
+    def _sum_flat(self, step: int, joining: bool) -> torch.Tensor:
         # A fresh buffer per attempt (an abandoned one may still be written into); the
         # gradients themselves stay untouched until the commit, so a retry reuses them.
+        # A join step's zeros include the statistics: the sum is not divided by the joiner.
         out, self._spare = self._spare, None
         with self._times.part("pack"):
-            buf = self._layout.pack(out if out is not None else self._recycled())
+            buf = self._layout.pack(out if out is not None else self._recycled(),
+                                    statistics=not joining)
         with self._times.part("allreduce"):
             self.ftar.allreduce_sum(buf, on_issued=lambda: self.faults.check(step, "allreduce"))
         return buf

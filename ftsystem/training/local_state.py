@@ -38,16 +38,59 @@ from ftsystem.training.update_log import LoggedUpdate, UpdateLog
 log = logging.getLogger(__name__)
 
 
-def runs_on_a_copy(step_fn: Callable[[], None] | None,
-                   optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the step function must run on a copy of the average, so that the update log
-    keeps what it ran on. A step function may write into ``.grad`` (clipping, unscaling, an
-    optimizer's own weight decay), and no check sees every such write (``GradScaler.unscale_``
-    and writes through ``.data`` bump no version counter; a fused kernel writes through a raw
-    pointer). Only the default step of torch's own optimizers is known to leave ``.grad``
-    alone: it runs on the average itself, and saves a gradient-sized copy per step (about 4%
-    of the step at 10M parameters on two cores, ``ftsystem bench overhead``)."""
-    return step_fn is not None or not type(optimizer).__module__.startswith("torch.optim.")
+class StepInputs:
+    """What the step function runs on: the logged average itself, or a copy of it, so that
+    the update log keeps what the step ran on (a replay of it must run on the same values).
+
+    A step function may write into ``.grad``: clipping, unscaling, an optimizer's own
+    arithmetic (SGD's foreach Nesterov step adds the momentum into ``.grad``). No check sees
+    every such write (``GradScaler.unscale_`` and writes through ``.data`` bump no version
+    counter; a fused kernel may write through a raw pointer). So a step function of the
+    loop's own always runs on a copy. The default ``optimizer.step()`` runs its first step
+    on a copy too, which is then compared bit for bit with the average: if the step wrote
+    into it, every step runs on a copy. Otherwise the later steps run on the average itself
+    (no gradient-sized copy per step: about 4% of the step at 10M parameters on two cores,
+    ``ftsystem bench overhead``), and a write that the version counter of the average shows
+    after all (a step that writes only sometimes) makes that step :meth:`after_step` report
+    the average spoiled, and every later step run on a copy."""
+
+    def __init__(self, step_fn_given: bool) -> None:
+        self._mode = "copy" if step_fn_given else "probe"
+        self._scratch: torch.Tensor | None = None
+        self._version = 0
+
+    def before_step(self, average: torch.Tensor) -> torch.Tensor:
+        """What to make the gradients of: ``average``, or a copy of it."""
+        if self._mode == "trusted":
+            self._version = average._version
+            return average
+        return self._copy(average)
+
+    def after_step(self, average: torch.Tensor) -> bool:
+        """Whether ``average`` still holds what the step ran on."""
+        if self._mode == "probe":
+            written = not torch.equal(self._scratch.view(torch.uint8),
+                                      average.view(torch.uint8))
+            # (an inference tensor keeps no version counter to watch)
+            self._mode = "copy" if written or average.is_inference() else "trusted"
+            if not written:
+                self._scratch = None  # the copy is not needed again
+            return True
+        if self._mode == "trusted" and average._version != self._version:
+            log.warning("the optimizer's step wrote into the averaged gradient it ran on: "
+                        "that step is not kept for catch-up, and every step from here on "
+                        "runs on a copy of the average")
+            self._mode = "copy"
+            return False
+        return True
+
+    def _copy(self, average: torch.Tensor) -> torch.Tensor:
+        """``average`` copied into a buffer kept across steps (a new one per step would be
+        page-faulted in: see UpdateLog.recycle)."""
+        if self._scratch is None or self._scratch.shape != average.shape \
+                or self._scratch.dtype != average.dtype:
+            self._scratch = torch.empty_like(average)
+        return self._scratch.copy_(average)
 
 
 class ForkedHistory(RuntimeError):
@@ -70,7 +113,7 @@ class LocalState:
         self._params = layout.params
         self._device = layout.device
         self._step_fn = step_fn or optimizer.step
-        self._copy_grads = runs_on_a_copy(step_fn, optimizer)
+        self._inputs = StepInputs(step_fn is not None)
         self.update_log = update_log
         self.snapshotter = Snapshotter(self.state)
         self._on_step = on_step
@@ -80,7 +123,6 @@ class LocalState:
         self._fresh = True
         self._lineage = new_lineage()
         self._verified_step: int | None = None
-        self._scratch: torch.Tensor | None = None
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -189,13 +231,13 @@ class LocalState:
             self.objects.load_carry(update.carry_before)
         with self._times.part("unpack"):
             self.snapshotter.before_mutation()
-            self._layout.unpack(self._grad_copy(update.grad) if self._copy_grads
-                                else update.grad)
+            self._layout.unpack(self._inputs.before_step(update.grad))
         try:
             with self._times.part("step_fn"):
                 self._step_fn()
         finally:
             release_grads(self._params)
+        kept = self._inputs.after_step(update.grad)
         with self._times.part("carry"):
             if load_before and update.carry:  # a replay: the states the peer recorded
                 self.objects.load_carry(update.carry)
@@ -206,16 +248,12 @@ class LocalState:
             update = LoggedUpdate(update.grad, update.parent, update.chain, carry,
                                   update.carry_before)
             self._step, self._chain, self._carry = self._step + 1, update.chain, carry
-            self.update_log.append(self._step, update)
+            if kept:
+                self.update_log.append(self._step, update)
+            else:  # the entry is not what the step ran on: the log restarts after it
+                self.update_log.clear()
             self._on_step(self._step)
         return update
-
-    def _grad_copy(self, update: torch.Tensor) -> torch.Tensor:
-        """``update`` copied into a buffer kept across steps (a new one per step would be
-        page-faulted in: see UpdateLog.recycle)."""
-        if self._scratch is None or self._scratch.shape != update.shape:
-            self._scratch = torch.empty_like(update)
-        return self._scratch.copy_(update)
 
     def load(self, state: dict, *, inherit_lineage: bool = True) -> None:
         """Take a peer's whole state (a snapshot, the epoch's state sync), and with it its

@@ -9,8 +9,9 @@ tensor, and the same code serves both.
 
 The model's tensors are read as its modules hold them (:func:`model_tensors`); the optimizer's
 through ``torch.distributed.checkpoint.state_dict``, which keys its state by parameter name
-(stable across processes). An optimizer that has not stepped yet (a joiner's) adopts the
-received state's tensors as its own.
+(stable across processes). A received optimizer state replaces the receiver's slot for slot,
+each in the dtype it was sent in; where the receiver has no such slot (a joiner's fresh
+optimizer, a head it never used) the received tensor becomes its own.
 """
 
 from __future__ import annotations
@@ -122,60 +123,80 @@ def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Copy a :func:`local_state` of another replica (same shard) into ours, in place; a
-    fresh optimizer adopts the received slots instead (:func:`_adopt_optimizer_state`).
+    """Copy a :func:`local_state` of another replica (same shard) into ours, in place; the
+    optimizer's state becomes the received one slot for slot (:func:`_load_optimizer_slots`).
 
     Gradients are dropped: they belonged to the state being replaced. The layouts must match,
     which holds between replicas of one job. A tensor received into its destination
     (``wire.decode_state``) is not copied again: ``copy_`` from itself does nothing.
     """
     register_shards(model)
-    optimizer.zero_grad(set_to_none=True)  # also lets DCP initialize a fresh optimizer below
-    if not state["optim"]:
-        optimizer.state.clear()
+    optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for name, tensor in _to_local(model_tensors(model)).items():
             tensor.copy_(state["model"][name])
         for name, tensor in _to_local(non_persistent_buffers(model)).items():
             tensor.copy_(state["buffers"][name])
-        if state["optim"] and (optimizer.state or
-                               not _adopt_optimizer_state(model, optimizer, state["optim"])):
-            ours = _to_local(get_optimizer_state_dict(model, optimizer)["state"])
-            params = _params_by_name(model)
-            for name, slots in ours.items():
-                for slot, value in slots.items():
-                    received = state["optim"][name][slot]
-                    if isinstance(value, torch.Tensor):
-                        value.copy_(received)
-                    else:  # a step count or a running scalar kept as a Python number
-                        optimizer.state[params[name]][slot] = received
+        _load_optimizer_slots(model, optimizer, state["optim"])
     for group, hyper in zip(optimizer.param_groups, state["hyper"]):
         group.update(hyper)
 
 
-def _adopt_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                           slots: dict) -> bool:
-    """Make received slots (by parameter name) the state of an optimizer that has none, by
-    reference, through ``optimizer.load_state_dict`` (which moves them to the parameters'
-    devices). DCP would first create that state with a step at lr 0 and the copy over it: a
-    whole optimizer step and its allocations, 3.2 s at 100M parameters with AdamW on an idle
-    core here, 6-7 s beside two training replicas, on a joiner's way to its first step.
+def _load_optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          received: dict) -> None:
+    """Make ``received`` (slots by parameter name, as :func:`local_state` reads them) the
+    optimizer's whole state: a parameter it has no state for yet (a head or an expert first
+    used after this replica last stepped) takes the received slots, one the sender had no
+    state for loses its own, and every slot keeps the dtype it was sent in (fp32 moments of
+    bf16 weights stay fp32).
 
-    False, with nothing changed, when a slot's name is not one of ``model.named_parameters()``
-    (a wrapper that renames them): the caller then goes through DCP.
-    """
-    params = dict(model.named_parameters())
-    order = [p for group in optimizer.param_groups for p in group["params"]]
-    index = {id(p): i for i, p in enumerate(order)}
-    if not all(name in params and id(params[name]) in index for name in slots):
-        return False
-    optimizer.load_state_dict({
-        "state": {index[id(params[name])]: {slot: _shaped_like(params[name], tensor)
-                                            for slot, tensor in param_slots.items()}
-                  for name, param_slots in slots.items()},
-        "param_groups": [{**group, "params": [index[id(p)] for p in group["params"]]}
-                         for group in optimizer.param_groups]})
-    return True
+    Not ``optimizer.load_state_dict``, which casts floating slots to their parameter's dtype,
+    nor DCP's loader, which would first create a fresh optimizer's state with a step at lr 0
+    (3.2 s at 100M parameters with AdamW on an idle core here, 6-7 s beside two training
+    replicas, on a joiner's way to its first step). A slot the optimizer holds already in the
+    received shape, dtype and device is written in place; any other slot is the received
+    tensor itself, moved to where :func:`_slot_device` says."""
+    params = _params_by_name(model)
+    unknown = sorted(set(received) - set(params))
+    if unknown:
+        raise ValueError(f"the received optimizer state has slots for parameters this model "
+                         f"does not have ({', '.join(unknown[:3])}): every replica must build "
+                         "the same model")
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    loaded = {}
+    for name, slots in received.items():
+        param = params[name]
+        own = optimizer.state.get(param, {})
+        loaded[param] = {key: _into_slot(own.get(key), param, key, value, group_of[id(param)])
+                         for key, value in slots.items()}
+    optimizer.state.clear()
+    optimizer.state.update(loaded)
+
+
+def _into_slot(own, param: nn.Parameter, key, value, group: dict):
+    """A received slot as the optimizer holds it: written into ``own`` where that fits,
+    otherwise ``value`` itself on its device (a plain value as it is)."""
+    if not isinstance(value, torch.Tensor):
+        return value  # a step count or a running scalar kept as a Python number
+    device = _slot_device(own, param, key, value, group)
+    if isinstance(own, torch.Tensor):
+        shard = local(own)
+        if (shard.shape, shard.dtype, shard.device) == (value.shape, value.dtype, device):
+            shard.copy_(value)
+            return own
+    return _shaped_like(param, value.to(device))
+
+
+def _slot_device(own, param: nn.Parameter, key, value: torch.Tensor, group: dict
+                 ) -> torch.device:
+    """Where a slot lives: where the optimizer keeps it already; otherwise torch's own rule,
+    on the parameter's device, but a step counter of an optimizer neither fused nor
+    capturable where it was received (torch's keep it on the host, read without a sync)."""
+    if isinstance(own, torch.Tensor):
+        return local(own).device
+    if key == "step" and not (group.get("fused") or group.get("capturable")):
+        return value.device
+    return local(param).device
 
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
