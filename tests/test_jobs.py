@@ -31,12 +31,16 @@ WAITING = "has no spec: no epoch before it exists"
 @pytest.mark.parametrize("raw, message", [
     ({}, "replicas is missing"),
     ({"replicas": 2, "min_replicas": 3}, "min_replicas 3 > replicas 2: lower min_replicas"),
-    ({"replicas": True}, "replicas must be an integer >= 1"),
+    ({"replicas": True}, "replicas must be an integer from 1 to"),
     ({"replicas": 2, "nodes": 2}, "unknown field(s) 'nodes': the fields are"),
-    ({"replicas": 2, "timeout_s": 1}, "timeout_s must be a number of seconds >= 6"),
+    ({"replicas": 2, "timeout_s": 1}, "timeout_s must be a number of seconds from 6 to"),
     ({"replicas": 1, "checkpoint": {"every_steps": 10}}, "without checkpoint.dir"),
     ({"replicas": 2, "replica_ids": ["r0"]}, "replica_ids lists 1 id(s) for 2 replicas"),
     ([1, 2], "a job spec is a JSON object"),
+    ({"replicas": 10 ** 30}, "replicas must be an integer from 1 to 1000000"),
+    ({"replicas": 2, "nproc_per_node": 100_000}, "nproc_per_node must be an integer from 1 to"),
+    ({"replicas": 2, "timeout_s": 1e300}, "timeout_s must be a number of seconds from 6 to 3600"),
+    ({"replicas": 1, "replica_ids": ["r0\n"]}, "invalid replica id 'r0\\n'"),
 ])
 def test_a_malformed_spec_says_what_to_fix(raw, message):
     with pytest.raises(JobSpecError, match=re.escape(message)):
@@ -332,3 +336,17 @@ def test_kubernetes_creates_the_job_its_agents_run(etcd, job_id, tmp_path):
         other = CliRunner().invoke(app, [*argv[:at], "2", *argv[at + 1:]],
                                    env={"FTSYSTEM_CONTROLLER": base})  # another spec
         assert other.exit_code == 1 and "exists with another spec" in other.output
+
+
+def test_an_id_ending_in_a_newline_is_refused():
+    with pytest.raises(keys.InvalidIdError):
+        keys.check_id("job", "demo\n")
+    assert keys.check_id("job", "demo") == "demo"
+
+
+def test_a_chaos_duration_beyond_a_day_is_refused():
+    from ftsystem.chaos.spec import ChaosSpecError, spec_from_mapping
+    with pytest.raises(ChaosSpecError, match="duration: at most 24h"):
+        spec_from_mapping({"action": "slow", "duration": "100000h", "schedule": "@every 1h"})
+    with pytest.raises(ChaosSpecError, match="duration: at most 24h"):
+        spec_from_mapping({"action": "hang", "duration": 1e300, "schedule": "@every 1h"})

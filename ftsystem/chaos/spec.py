@@ -57,15 +57,25 @@ class ChaosSpecError(ValueError):
     """A malformed chaos spec; nothing was executed."""
 
 
+MAX_DURATION_S = {"duration": 24 * 3600.0, "horizon": 30 * 24 * 3600.0}
+"""The longest fault (24h) and schedule (30 days): beyond, a typo, not an experiment."""
+
+
 def parse_duration(text: Any, what: str) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if not math.isfinite(text) or text < 0:
             raise ChaosSpecError(f"{what}: {text!r} is not a finite, non-negative duration")
-        return float(text)
-    match = _DURATION.match(str(text).strip())
-    if not match:
-        raise ChaosSpecError(f"{what}: {text!r} is not a duration; write e.g. 500ms, 30s, 5m")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+        seconds = float(text)
+    else:
+        match = _DURATION.match(str(text).strip())
+        if not match:
+            raise ChaosSpecError(f"{what}: {text!r} is not a duration; write e.g. 500ms, 30s, "
+                                 "5m")
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    most = MAX_DURATION_S.get(what)
+    if most is not None and seconds > most:
+        raise ChaosSpecError(f"{what}: at most {most / 3600:g}h, not {text!r}")
+    return seconds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

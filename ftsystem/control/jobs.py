@@ -121,13 +121,17 @@ def parse_spec(raw: Any) -> JobSpec:
     return spec
 
 
-COUNTS = frozenset({"replicas", "min_replicas", "nodes_per_replica", "nproc_per_node",
-                    "num_steps"})
+COUNTS = {"replicas": 1_000_000, "min_replicas": 1_000_000, "nodes_per_replica": 100_000,
+          "nproc_per_node": 1024, "num_steps": 10 ** 12}
+"""The counts of a spec and the most each may be: far above any real job, and low enough that
+nothing sized by them (a list of replicas, a lease per node) can exhaust a controller."""
+MAX_TIMEOUT_S = 3600.0
+"""A failure is detected within a third of the timeout: an hour is already no detection."""
 
 
 def _field(name: str, value: Any, problems: list[str]) -> Any:
     if name in COUNTS:
-        return _count(name, value, problems)
+        return _count(name, value, problems, most=COUNTS[name])
     parse = {"timeout_s": _timeout, "created_at": _created_at, "replica_ids": _replica_ids,
              "checkpoint": _checkpoint}[name]
     return parse(value, problems)
@@ -139,9 +143,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _count(name: str, value: Any, problems: list[str], *, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        problems.append(f"{name} must be an integer >= {least}, not {_shown(value)}")
+def _count(name: str, value: Any, problems: list[str], *, least: int = 1,
+           most: int = 10 ** 12) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        problems.append(f"{name} must be an integer from {least} to {most}, not "
+                        f"{_shown(value)}")
         return least
     return value
 
@@ -159,9 +165,10 @@ def _created_at(value: Any, problems: list[str]) -> float | None:
 
 
 def _timeout(value: Any, problems: list[str]) -> float:
-    if not _finite(value) or value < MIN_TIMEOUT_S:
-        problems.append(f"timeout_s must be a number of seconds >= {MIN_TIMEOUT_S:g} (the lease "
-                        f"TTL is a third of it), not {_shown(value)}")
+    if not _finite(value) or not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        problems.append(f"timeout_s must be a number of seconds from {MIN_TIMEOUT_S:g} to "
+                        f"{MAX_TIMEOUT_S:g} (the lease TTL is a third of it), not "
+                        f"{_shown(value)}")
         return JobSpec.__dataclass_fields__["timeout_s"].default
     return float(value)
 
@@ -193,7 +200,8 @@ def _checkpoint(value: Any, problems: list[str]) -> CheckpointPolicy:
         policy = replace(policy, every_steps=_count("checkpoint.every_steps",
                                                     value["every_steps"], problems, least=0))
     if "keep" in value:
-        policy = replace(policy, keep=_count("checkpoint.keep", value["keep"], problems))
+        policy = replace(policy, keep=_count("checkpoint.keep", value["keep"], problems,
+                                             most=1000))
     if "dir" in value:
         if isinstance(value["dir"], str):
             policy = replace(policy, dir=value["dir"])

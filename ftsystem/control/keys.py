@@ -14,7 +14,7 @@ class InvalidIdError(ValueError):
 
 
 def check_id(kind: str, value: str) -> str:
-    if not ID_PATTERN.match(value):
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):  # "$" allows a "\n"
         raise InvalidIdError(
             f"invalid {kind} id {value!r}: use 1-63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit")
