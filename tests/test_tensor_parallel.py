@@ -9,7 +9,6 @@ refusal of a mesh that is not the replica's own ranks in rank order."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -18,19 +17,18 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
 
-from ftsystem.chaos.faults import FaultPoint
-from ftsystem.control.etcd_server import free_port
 from ftsystem.example.tensor_parallel import TinyDecoder, parallelize
 from ftsystem.example.workload import ModelConfig
-from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
 from ftsystem.training.replica_group import check_mesh
 from ftsystem.training.shards import align_grads
 
 
-def _rank(rank: int, world: int, port: int) -> None:
+# The spawned ranks import this module: it imports nothing that loads gRPC (the launcher, etcd),
+# since gRPC's threads and DTensor's Gloo collectives now and then abort a process at exit
+# ("terminate called without an active exception") after the test body has passed.
+def _rank(rank: int, world: int, rendezvous: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "tp"))
@@ -58,12 +56,15 @@ def _rank(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_gradients_are_placed_as_their_parameters():
-    mp.spawn(_rank, args=(2, free_port()), nprocs=2)
+def test_tensor_parallel_gradients_are_placed_as_their_parameters(tmp_path):
+    mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_replicas_survive_a_kill_bitwise_identical(tmp_path):
+    from ftsystem.chaos.faults import FaultPoint
+    from ftsystem.launch.launcher import ReplicaKill, RunConfig, run_job
+
     # Rank 1 of r1 is SIGKILLed at step 8; the agent restarts both ranks, each catches up its
     # tensor-parallel slice from the same rank of r0 while r0 trains on, and joins.
     cfg = RunConfig(num_replicas=2, nproc_per_node=2, num_steps=60, out_dir=tmp_path / "run",
