@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ftsystem.training.checkpoint import (
     MARKER,
+    CheckpointError,
     Checkpointer,
     Entry,
     MissingCheckpointError,
@@ -96,7 +97,7 @@ def test_names_retention_and_schedule() -> None:
 
 
 def test_marker_problems() -> None:
-    marker = {"format": 1, "files": {"a.distcp": [10, 5], ".metadata": [3, 7]}}
+    marker = {"format": 2, "files": {"a.distcp": [10, 5], ".metadata": [3, 7]}}
     assert marker_problem(marker, {"a.distcp": (10, 5), ".metadata": (3, 7)}) is None
     assert marker_problem(marker, {"a.distcp": (10, None), ".metadata": (3, None)}) is None
     assert "no .complete marker" in marker_problem(None, {})
@@ -193,7 +194,7 @@ def _back_to_tmp(path: Path) -> None:
 @pytest.mark.parametrize("damage, problem", [
     (_drop_marker, r"no \.complete marker: the save was interrupted"),
     (_truncate_data, r"file __0_0\.distcp is truncated or overwritten: \d+ bytes, \d+ written"),
-    (_flip_a_byte, r"file __0_0\.distcp is corrupt: its CRC32 differs from the one written"),
+    (_flip_a_byte, r"file __0_0\.distcp is corrupt: its SHA-256 differs from the one written"),
     (_delete_metadata, r"file \.metadata is missing"),
     (_back_to_tmp, r"a \.tmp directory: the save was interrupted before it finished"),
 ])
@@ -334,3 +335,62 @@ def test_a_model_whose_state_dict_renames_its_tensors_is_refused_before_a_save_f
         check_checkpointable(model)
     check_checkpointable(build()[0])
     check_checkpointable(torch.compile(build()[0]))  # "_orig_mod." is a wrapper's, not a rename
+
+
+# --- hostile checkpoints ------------------------------------------------------------------------
+
+class _RunsCode:
+    """What a forged pickle carries: a call made while it is unpickled."""
+
+    def __init__(self, witness: Path) -> None:
+        self.witness = witness
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.witness}",))
+
+
+def _reseal(path: Path) -> None:
+    """What a forger can do without the job's key: rewrite the marker to match the files."""
+    from ftsystem.training.checkpoint import _write_marker
+    step = int(path.name.split("-")[1])
+    _write_marker(path, step, key=None)
+
+
+def test_a_forged_metadata_file_runs_nothing_and_is_refused(tmp_path: Path) -> None:
+    import pickle
+    ckpt, _ = saved(tmp_path, [1])
+    witness = tmp_path / "pwned"
+    (tmp_path / "step-1" / ".metadata").write_bytes(pickle.dumps(_RunsCode(witness)))
+    _reseal(tmp_path / "step-1")
+    model, optimizer = build()
+    with pytest.raises(CheckpointError, match=r"refuses posix\.system|refuses os\.system"):
+        Checkpointer(tmp_path, 1).load({"train": TrainingState(model, optimizer)})
+    assert not witness.exists()
+
+
+def test_a_forged_value_in_a_data_file_runs_nothing(tmp_path: Path) -> None:
+    # Non-tensor values (hyperparameters, registered objects' blobs) are pickles in the data
+    # files: they are loaded as weights only.
+    import io
+    import pickle
+    from ftsystem.training.checkpoint import SafeLoadPlanner
+    witness = tmp_path / "pwned"
+    planner = SafeLoadPlanner()
+    with pytest.raises(CheckpointError, match="refus"):
+        planner.load_bytes(None, io.BytesIO(pickle.dumps(_RunsCode(witness))))
+    assert not witness.exists()
+
+
+def test_a_signed_checkpoint_loads_only_with_its_jobs_key(tmp_path: Path) -> None:
+    ckpt, expected = saved(tmp_path, [1], key="the job's key")
+    model, optimizer = build()
+    with pytest.raises(CheckpointError, match="not signed with this job's key"):
+        Checkpointer(tmp_path, 1, key="another job's key").load(
+            {"train": TrainingState(model, optimizer)}, step=1)
+    assert Checkpointer(tmp_path, 1, key="the job's key").load(
+        {"train": TrainingState(model, optimizer)}) == 1
+    assert_bitwise_equal(tensors(model, optimizer), expected[1])
+    _reseal(tmp_path / "step-1")  # a forger's marker: the files match, the signature is gone
+    with pytest.raises(CheckpointError, match="not signed with this job's key"):
+        Checkpointer(tmp_path, 1, key="the job's key").load(
+            {"train": TrainingState(model, optimizer)}, step=1)

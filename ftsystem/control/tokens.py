@@ -54,6 +54,12 @@ def state_key(job_token: str) -> str:
     return hmac.new(job_token.encode(), b"ftsystem state servers", hashlib.sha256).hexdigest()
 
 
+def checkpoint_key(key: str) -> str:
+    """The key that signs the job's disk checkpoints, derived from the state servers' key
+    (every rank holds it): a checkpoint another job wrote, or one forged, does not load."""
+    return hmac.new(key.encode(), b"ftsystem checkpoints", hashlib.sha256).hexdigest()
+
+
 def replica_token(key: str, replica_id: str) -> str:
     """The token with which replica ``replica_id`` fetches state: a holder of one replica's
     token cannot fetch as another."""

@@ -17,7 +17,8 @@ loads the newest checkpoint that is *complete*:
 
 Layout of ``directory``::
 
-    step-100/            complete: DCP's files + a ``.complete`` marker (sizes, CRC32s)
+    step-100/            complete: DCP's files + a ``.complete`` marker (sizes, SHA-256s,
+                         signed with the job's key)
     step-200.tmp/        being written, or torn by a crash: never loaded
 
 A save is written to ``step-<N>.tmp/``; only once DCP has finished every rank's files does the
@@ -27,6 +28,13 @@ whose marker is missing, whose files are missing or differ from what the marker 
 that still has the ``.tmp`` suffix is torn: asked for by step it raises
 :class:`TornCheckpointError`; while looking for the newest one it is skipped with a warning.
 
+A checkpoint is read by something that unpickles: DCP's metadata and the non-tensor values of
+its data files. Nothing it holds runs code: the metadata is read by an unpickler that knows only
+DCP's own classes (:class:`SafeFileSystemReader`), values are loaded as weights only
+(:class:`SafeLoadPlanner`), and with a ``key`` (the replicas' key, which their agent derives
+from the job's token) the marker is signed: a checkpoint another job wrote, or anyone without
+the key, is refused before a byte of it is read (:class:`UntrustedCheckpointError`).
+
 Several ranks (FSDP shards of one replica) save into one directory, which must then be on a
 filesystem they share. DCP runs its collectives from a background thread, so it gets a Gloo group
 of its own (created from the default group when none is given): sharing a group with the
@@ -35,14 +43,17 @@ training collectives would interleave the two threads' collectives differently o
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
 import warnings
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +62,12 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ftsystem.training import carriable
 from ftsystem.training.shards import canonical_name, model_tensors
 
 log = logging.getLogger(__name__)
@@ -61,7 +76,9 @@ MARKER = ".complete"
 """Written last, inside the directory: its presence (and agreement with the files) is what makes
 a checkpoint complete."""
 TMP_SUFFIX = ".tmp"
-MARKER_FORMAT = 1
+MARKER_FORMAT = 2
+"""2: SHA-256 of every file and an HMAC of the marker (1 had CRC32s, which anyone can forge)."""
+SIGNED_FIELDS = ("format", "step", "files")
 _NAME = re.compile(r"^step-(\d+)(\.tmp)?$")
 _CHUNK = 16 << 20
 # DCP warns on every single-process save and load that it assumes a single process; that is
@@ -80,6 +97,11 @@ class TornCheckpointError(CheckpointError):
 
 class MissingCheckpointError(CheckpointError):
     """No checkpoint of the requested step exists."""
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """The checkpoint is not signed with this job's key, or holds what a checkpoint never
+    holds: it was written by another job, or forged. Nothing of it was loaded."""
 
 
 # --- pure logic -------------------------------------------------------------------------------
@@ -106,25 +128,45 @@ def parse_entry(name: str) -> Entry | None:
     return Entry(int(match.group(1)), bool(match.group(2))) if match else None
 
 
-def marker_problem(marker: dict | None, observed: dict[str, tuple[int, int | None]]) -> str | None:
+def marker_problem(marker: dict | None, observed: dict[str, tuple[int, str | None]]) -> str | None:
     """What makes a checkpoint torn, or None when it is complete.
 
     ``marker``: the parsed ``.complete`` file (None: absent); ``observed``: file name ->
-    (size, CRC32 or None when checksums are not verified) of the files present.
+    (size, SHA-256 or None when checksums are not verified) of the files present.
     """
     if marker is None:
         return f"no {MARKER} marker: the save was interrupted"
     files = marker.get("files")
-    if marker.get("format") != MARKER_FORMAT or not isinstance(files, dict) or not files:
-        return f"its {MARKER} marker is unreadable"
-    for name, (size, crc) in sorted(files.items()):
+    if marker.get("format") != MARKER_FORMAT or not isinstance(files, dict) or not files \
+            or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
+        return (f"its {MARKER} marker is unreadable, or of format {marker.get('format')!r} "
+                f"(this version reads {MARKER_FORMAT})")
+    for name, (size, digest) in sorted(files.items()):
         if name not in observed:
             return f"file {name} is missing"
-        seen_size, seen_crc = observed[name]
+        seen_size, seen_digest = observed[name]
         if seen_size != size:
             return f"file {name} is truncated or overwritten: {seen_size} bytes, {size} written"
-        if seen_crc is not None and seen_crc != crc:
-            return f"file {name} is corrupt: its CRC32 differs from the one written"
+        if seen_digest is not None and seen_digest != digest:
+            return f"file {name} is corrupt: its SHA-256 differs from the one written"
+    return None
+
+
+def marker_mac(marker: dict, key: str) -> str:
+    """The marker's signature: an HMAC over what it says of the files."""
+    signed = json.dumps({k: marker.get(k) for k in SIGNED_FIELDS}, sort_keys=True)
+    return hmac.new(key.encode(), signed.encode(), hashlib.sha256).hexdigest()
+
+
+def signature_problem(marker: dict, key: str | None) -> str | None:
+    """Why the marker is not this job's, or None. Without a key nothing can be checked."""
+    if key is None:
+        return None
+    mac = marker.get("mac")
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, marker_mac(marker, key)):
+        return ("it is not signed with this job's key: another job wrote it, or it was "
+                "forged. Loading it would read pickles from it, so it is refused: point the "
+                "job at its own checkpoints, or delete this one")
     return None
 
 
@@ -187,17 +229,17 @@ def check_checkpointable(model: torch.nn.Module) -> None:
 
 # --- file system --------------------------------------------------------------------------------
 
-def _crc32(path: Path) -> int:
-    crc = 0
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def _observe(path: Path, checksums: bool) -> dict[str, tuple[int, int | None]]:
-    """(size, CRC32) of every file in ``path`` but the marker."""
-    return {f.name: (f.stat().st_size, _crc32(f) if checksums else None)
+def _observe(path: Path, checksums: bool) -> dict[str, tuple[int, str | None]]:
+    """(size, SHA-256) of every file in ``path`` but the marker."""
+    return {f.name: (f.stat().st_size, _sha256(f) if checksums else None)
             for f in path.iterdir() if f.is_file() and f.name != MARKER}
 
 
@@ -218,14 +260,83 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_marker(path: Path, step: int) -> None:
-    """Record every file DCP wrote (size and CRC32), durably, inside ``path``."""
+def _write_marker(path: Path, step: int, key: str | None) -> None:
+    """Record every file DCP wrote (size and SHA-256), signed with ``key``, durably, inside
+    ``path``."""
     files = {name: list(v) for name, v in _observe(path, checksums=True).items()}
     marker = {"format": MARKER_FORMAT, "step": step, "time": time.time(), "files": files}
+    if key is not None:
+        marker["mac"] = marker_mac(marker, key)
     with (path / MARKER).open("w") as f:
         json.dump(marker, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+# --- reading without running code ---------------------------------------------------------------
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+"""What DCP's metadata is made of, and all that its unpickler may construct."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or \
+                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UntrustedCheckpointError(
+            f"the checkpoint's metadata refuses {module}.{name}: DCP's metadata holds only "
+            "its own classes, so this checkpoint was forged or damaged; delete it")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader of a directory, with the metadata read by an unpickler that constructs
+    nothing but DCP's own metadata classes (DCP's own uses ``pickle.load``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            try:
+                metadata = _MetadataUnpickler(stream).load()
+            except UntrustedCheckpointError:
+                raise
+            except Exception as e:
+                raise UntrustedCheckpointError(f"the checkpoint's metadata {path} is not DCP "
+                                               f"metadata ({e}): delete it") from None
+        if not isinstance(metadata, dcp.Metadata):
+            raise UntrustedCheckpointError(f"the checkpoint's metadata {path} is a "
+                                           f"{type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, with the non-tensor values of a checkpoint (hyperparameters, registered
+    objects' states) loaded as weights only (DCP's own unpickles them whole)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = carriable.load(value)
+        except Exception as e:
+            raise UntrustedCheckpointError(
+                f"a value in the checkpoint refuses to load as weights only ({e}): the "
+                "checkpoint was forged or damaged; delete it") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
@@ -237,17 +348,20 @@ class Checkpointer:
     ``keep``: how many complete checkpoints to keep (the newest). ``process_group``: the ranks
     that save one sharded state together; None uses a new Gloo group over the default group when
     torch.distributed is initialized, and a single process otherwise. ``verify_checksums``:
-    compare CRC32s of the files with the marker before loading (reads the files once more).
+    compare the SHA-256 of every file with the marker before loading (reads the files once
+    more; the metadata's is compared always). ``key``: signs the markers written, and only
+    checkpoints signed with it are loaded; None (a job run ``--insecure``): unsigned.
     """
 
     def __init__(self, directory: str | os.PathLike, interval_steps: int, *, keep: int = 3,
                  process_group: dist.ProcessGroup | None = None,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True, key: str | None = None) -> None:
         if interval_steps < 1 or keep < 1:
             raise ValueError(f"interval_steps ({interval_steps}) and keep ({keep}) must be >= 1")
         self.directory = Path(directory)
         self.interval_steps, self.keep = interval_steps, keep
         self.verify_checksums = verify_checksums
+        self.key = key
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group = process_group
         if self._distributed and process_group is None:
@@ -322,7 +436,7 @@ class Checkpointer:
         upload.result()  # every rank's files are written once the coordinator's save returns
         if not self._coordinator:
             return
-        _write_marker(tmp, step)
+        _write_marker(tmp, step, self.key)
         final = self.directory / step_name(step)
         if final.exists():  # saved before by a history this job abandoned (it loaded older)
             shutil.rmtree(final)
@@ -359,7 +473,8 @@ class Checkpointer:
         path = self.directory / entry.name
         marker = _read_marker(path)
         deep = self.verify_checksums if checksums is None else checksums
-        return marker_problem(marker, _observe(path, deep and marker is not None))
+        return marker_problem(marker, _observe(path, deep and marker is not None)) or \
+            signature_problem(marker, self.key)
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete-looking checkpoint (marker and file sizes; no checksums)."""
@@ -389,6 +504,10 @@ class Checkpointer:
                                          f"{self.directory} (complete ones: {have})")
         entry = candidates[0]  # the final directory if it exists, else the .tmp one
         problem = self.problem(entry)
+        if problem is not None and not entry.tmp and problem == signature_problem(
+                _read_marker(self.directory / entry.name) or {}, self.key):
+            raise UntrustedCheckpointError(f"checkpoint {entry.name} in {self.directory}: "
+                                           f"{problem}")
         if problem is not None:
             raise TornCheckpointError(torn_message(self.directory, entry.name, problem,
                                                    self._older_complete(step)))
@@ -408,10 +527,37 @@ class Checkpointer:
             raise error
         if step is None:
             return None
-        dcp.load(state_dict, checkpoint_id=str(self.directory / step_name(step)),
-                 process_group=self._group, no_dist=not self._distributed)
+        path = self.directory / step_name(step)
+        self._check_before_reading(path)
+        try:
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+                     planner=SafeLoadPlanner(), process_group=self._group,
+                     no_dist=not self._distributed)
+        except CheckpointException as e:  # DCP wraps what its reader and planner raise
+            refused = [f[0] for f in e.failures.values()
+                       if isinstance(f[0], UntrustedCheckpointError)]
+            if refused:
+                raise UntrustedCheckpointError(f"checkpoint {path.name} in {self.directory}: "
+                                               f"{refused[0]}") from None
+            raise
         self.last_saved = step  # a newer checkpoint on disk is another history: overwrite it
         return step
+
+    def _check_before_reading(self, path: Path) -> None:
+        """On every rank, right before DCP reads: the marker is this job's, and the metadata
+        (which every rank reads) is the file it signed. The coordinator checked the rest."""
+        marker = _read_marker(path) or {}
+        observed = _observe(path, checksums=False)
+        if ".metadata" in observed:
+            observed[".metadata"] = (observed[".metadata"][0], _sha256(path / ".metadata"))
+        problem = signature_problem(marker, self.key) or marker_problem(marker, observed)
+        if problem is not None:
+            raise UntrustedCheckpointError(f"checkpoint {path.name} in {self.directory}: "
+                                           f"{problem}")
+        SafeFileSystemReader(path).read_metadata()  # refused here, not inside DCP's wrapping
+        if self.key is None:
+            log.warning("loading %s, whose signature nobody checks (no key: the job runs "
+                        "--insecure); it is read without running anything it holds", path)
 
     def _choose(self, step: int | None) -> tuple[int | None, CheckpointError | None]:
         """The step to load, or the error that refuses the request (coordinator only)."""

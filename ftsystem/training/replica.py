@@ -50,6 +50,7 @@ from ftsystem.chaos.faults import FaultPoint, FaultSchedule
 from ftsystem.control import keys
 from ftsystem.control.membership import ReplicaState
 from ftsystem.control.timeouts import StragglerBound, Timeouts
+from ftsystem.control.tokens import checkpoint_key
 from ftsystem.measure import metrics
 from ftsystem.training import carriable
 from ftsystem.training.checkpoint import Checkpointer, TrainingState, check_checkpointable
@@ -209,7 +210,9 @@ class FTReplica:
         self._registered_addresses: dict[str, str] = {}  # by start()
         self._entered: Entered | None = None  # the last epoch entry, until its first sum
         c = self.settings.checkpoint
-        self.checkpointer = Checkpointer(c.directory, c.every, keep=c.keep) if c else None
+        self.checkpointer = Checkpointer(
+            c.directory, c.every, keep=c.keep,
+            key=checkpoint_key(self.ctx.state_key) if self.ctx.state_key else None) if c else None
         self._disk_state = {"train": TrainingState(model, optimizer),
                             f"replicated_rank{self.ctx.rank}": _DiskExtras(self.state)}
         self.resumed_from: int | None = None
