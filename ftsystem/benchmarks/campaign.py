@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -346,26 +346,26 @@ async def _events(data_dir: Path, job: str) -> list[dict]:
 # --- the campaign --------------------------------------------------------------------------
 
 def run_campaign(seeds: list[int], workdir: Path, loop_args: tuple[str, ...],
-                 keep: bool = False) -> list[dict]:
-    rows = []
+                 keep: bool = False) -> Iterator[dict]:
+    """Each schedule's row, as it ends."""
     for seed in seeds:
         schedule = campaign_schedule(seed)
         out_dir = workdir / f"s{seed}"
         outcome = run_schedule(schedule, out_dir, loop_args)
         found = violations(schedule, outcome)
-        rows.append({"seed": seed, "replicas": schedule.num_replicas,
-                     "protected": f"r{schedule.protected}",
-                     "faults": [asdict(f) for f in schedule.faults],
-                     "wall_s": round(outcome.wall_s, 1), "bound_s": schedule.bound_s,
-                     "corrupted": sorted(outcome.corrupted),
-                     "reported": sorted({e["replica"] for e in outcome.events
-                                         if e.get("kind") == "divergence"}),
-                     "restarts": len(outcome.failures), "violations": found,
-                     "out_dir": str(out_dir) if found or keep else None})
+        row = {"seed": seed, "replicas": schedule.num_replicas,
+               "protected": f"r{schedule.protected}",
+               "faults": [asdict(f) for f in schedule.faults],
+               "wall_s": round(outcome.wall_s, 1), "bound_s": schedule.bound_s,
+               "corrupted": sorted(outcome.corrupted),
+               "reported": sorted({e["replica"] for e in outcome.events
+                                   if e.get("kind") == "divergence"}),
+               "restarts": len(outcome.failures), "violations": found,
+               "out_dir": str(out_dir) if found or keep else None}
         print(f"seed {seed}: {len(schedule.faults)} faults "
               f"{[(f.kind, f.phase, f.step) for f in schedule.faults]} -> "
               f"{'ok' if not found else found}", flush=True)
-    return rows
+        yield row
 
 
 def summarize(rows: list[dict], loop_args: tuple[str, ...]) -> dict:
@@ -403,17 +403,20 @@ def campaign(
     count = 3 if quick else schedules
     args = tuple(loop_args.split())
     base = workdir or Path(tempfile.mkdtemp(prefix="ftsystem-campaign-"))
-    rows = run_campaign(list(range(seed, seed + count)), base, args, keep=workdir is not None)
     previous = json.loads(json_path.read_text()) if append and json_path and \
         json_path.exists() else None
-    result = summarize(merge(previous, rows), args) | {"machine": report.machine()}
+    rows: list[dict] = []
+    for row in run_campaign(list(range(seed, seed + count)), base, args,
+                            keep=workdir is not None):
+        rows.append(row)  # written after every schedule: a campaign stopped early keeps its rows
+        result = summarize(merge(previous, rows), args) | {"machine": report.machine()}
+        report.write_json(json_path, result)
     report.print_table(f"campaign: {result['schedules']} schedules",
                        ["faults", "violations", "violating seeds"],
                        [(result["faults"], result["violations"],
                          ", ".join(map(str, result["violating_seeds"])) or "-")])
     report.print_table("faults by kind and phase", ["kind/phase", "count"],
                        list(result["faults_by_kind_phase"].items()))
-    report.write_json(json_path, result)
     if any(r["violations"] for r in rows):
         raise typer.Exit(1)
 
