@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from ftsystem.benchmarks.campaign import (CHAOS_KINDS, FINGERPRINT_EVERY, KIND_PHASES, Fault,
-                                          Outcome, Schedule, campaign_schedule, detection_step,
-                                          run_schedule, violations, LOOP_ARGS)
+from ftsystem.benchmarks.campaign import (
+    CHAOS_KINDS,
+    FINGERPRINT_EVERY,
+    KIND_PHASES,
+    LOOP_ARGS,
+    Fault,
+    Outcome,
+    Schedule,
+    campaign_schedule,
+    detection_step,
+    run_schedule,
+    violations,
+)
 from ftsystem.chaos.faults import PHASES
 
 SEEDS = range(500)
@@ -58,9 +68,9 @@ def _result(step: int = 80, state_hash: str = "h", **extra) -> dict:
 
 
 def _outcome(**changes) -> Outcome:
-    fields = dict(results={r: _result() for r in ("r0", "r1", "r2")},
-                  events=[{"kind": "divergence", "replica": "r2", "step": 40}], failures=[],
-                  corrupted={"r2"}, loaded={"r1": [0], "r2": [0, 40]}, wall_s=30.0)
+    fields = {"results": {r: _result() for r in ("r0", "r1", "r2")},
+              "events": [{"kind": "divergence", "replica": "r2", "step": 40}], "failures": [],
+              "corrupted": {"r2"}, "loaded": {"r1": [0], "r2": [0, 40]}, "wall_s": 30.0}
     return Outcome(**(fields | changes))
 
 

@@ -35,9 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 import typer
 
@@ -113,7 +113,7 @@ class Schedule:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, raw: dict) -> "Schedule":
+    def from_json(cls, raw: dict) -> Schedule:
         return cls(**{**raw, "faults": tuple(Fault(**f) for f in raw["faults"])})
 
 
@@ -394,9 +394,9 @@ def campaign(
         append: bool = typer.Option(False, help="add these schedules to --json's (batches)"),
         loop_args: str = typer.Option(" ".join(LOOP_ARGS),
                                       help="the example loop's arguments for every replica"),
-        workdir: Optional[Path] = typer.Option(None, help="keep every run here (default: a "
+        workdir: Path | None = typer.Option(None, help="keep every run here (default: a "
                                                           "temp dir; violating runs are kept)"),
-        json_path: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
+        json_path: Path | None = typer.Option(None, "--json", help="write the results here"),
 ) -> None:
     """Seeded random fault schedules; every finished replica must be bitwise identical, the
     protected replica untouched, every corruption reported."""
