@@ -360,7 +360,8 @@ def run_campaign(seeds: list[int], workdir: Path, loop_args: tuple[str, ...],
                "corrupted": sorted(outcome.corrupted),
                "reported": sorted({e["replica"] for e in outcome.events
                                    if e.get("kind") == "divergence"}),
-               "restarts": len(outcome.failures), "violations": found,
+               "restarts": len(outcome.failures), "chaos_done": outcome.fired,
+               "violations": found,
                "out_dir": str(out_dir) if found or keep else None}
         print(f"seed {seed}: {len(schedule.faults)} faults "
               f"{[(f.kind, f.phase, f.step) for f in schedule.faults]} -> "
