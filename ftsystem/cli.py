@@ -427,6 +427,7 @@ SUBCOMMAND_MODULES = (
     "ftsystem.benchmarks.controller.command", "ftsystem.benchmarks.failover",
     "ftsystem.benchmarks.overhead", "ftsystem.benchmarks.rejoin", "ftsystem.benchmarks.ettr_bench",
     "ftsystem.benchmarks.gradsum", "ftsystem.benchmarks.soak", "ftsystem.benchmarks.fingerprint",
+    "ftsystem.benchmarks.campaign",
     "ftsystem.sim.ettr_cli", "ftsystem.halos.cli", "ftsystem.control.jobs_cli",
     "ftsystem.control.status_cli")
 """Modules that register their sub-commands (``bench``, ``sim``, ``halos``, ``job``, ``status``,
